@@ -1,0 +1,148 @@
+"""dscompile's own lowering: fused regions run as generated Triton kernels, the rest as aten.
+
+Each ``call_module`` region left by the ``fuse`` pass (the lowering runs the partitioning
+itself when the pipeline had no ``fuse``) is replaced by a ``TritonRegion`` that launches the
+region's kernel; regions the codegen rejects keep their FX submodule and run op by op, with
+the reason logged. Matmul-plus-epilogue patterns use kernels/matmul_epilogue.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from dscompile.backends import register_lowering
+from dscompile.backends.triton_codegen import (
+    CodegenUnsupported,
+    KernelSource,
+    TensorSpec,
+    generate_kernel,
+    output_spec_for,
+    region_parts,
+)
+
+log = logging.getLogger("dscompile.backends.triton")
+
+aten = torch.ops.aten
+
+
+def _var_mean_decomposition(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> Any:
+    """var_mean as two trailing reductions (the row is in one tile, so two passes cost nothing)."""
+    dims = list(range(x.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    corr = 1 if correction is None else correction
+    mean = torch.ops.aten.mean.dim(x, dims, True)
+    centered = torch.ops.aten.sub.Tensor(x, mean)
+    var = torch.ops.aten.sum.dim_IntList(torch.ops.aten.mul.Tensor(centered, centered), dims, keepdim)
+    var = torch.ops.aten.div.Scalar(var, max(n - corr, 0))
+    if not keepdim:
+        mean = torch.ops.aten.squeeze.dims(mean, dims)
+    return var, mean
+
+
+def triton_decompositions() -> dict:
+    """Inductor's table (layer norm, softmax, gelu, losses → pointwise + reductions) plus var_mean."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = dict(select_decomp_table())
+    table[aten.var_mean.correction] = _var_mean_decomposition
+    return table
+
+
+class TritonRegion(torch.nn.Module):
+    """Runs one region's kernel; re-specialises when runtime strides differ from the traced ones."""
+
+    def __init__(self, name: str, fallback: torch.fx.GraphModule, kernel: Any, src: KernelSource) -> None:
+        super().__init__()
+        self.region_name = name
+        self.fallback = fallback
+        self.kernel = kernel
+        self.src = src
+        self.variants: dict[tuple, Any] = {tuple(src.input_specs): kernel}
+
+    def forward(self, *args: Any) -> Any:
+        from dscompile.backends.triton_kernels_cache import get_kernel
+
+        specs = tuple(TensorSpec.of(a) for a in args)
+        kernel = self.variants.get(specs)
+        if kernel is None:
+            try:
+                placeholders, nodes, outputs, is_tuple = region_parts(self.fallback)
+                src = generate_kernel(placeholders, nodes, outputs, specs, self.src.output_specs, is_tuple)
+                kernel = get_kernel(src)
+            except CodegenUnsupported as exc:
+                log.info("%s: runtime strides not generated (%s); running aten", self.region_name, exc)
+                kernel = self.fallback
+            self.variants[specs] = kernel
+        return kernel(*args)
+
+
+def _compile_region(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule) -> tuple[Any, KernelSource]:
+    from dscompile.backends.triton_kernels_cache import get_kernel
+
+    placeholders, nodes, outputs, is_tuple = region_parts(sub)
+    input_specs = [TensorSpec.of(a.meta["val"]) for a in node.args]
+    output_specs = [output_spec_for(o.meta["val"]) for o in outputs]
+    src = generate_kernel(placeholders, nodes, outputs, input_specs, output_specs, is_tuple)
+    return get_kernel(src), src
+
+
+def lower_regions(gm: torch.fx.GraphModule, ctx: Any = None) -> dict[str, Any]:
+    """Replace region submodules by kernel launchers; returns {region: KernelSource | reason}."""
+    from dscompile.graph import ds_meta
+    from dscompile.passes.fusion import REGION_PREFIX, fuse_regions
+
+    if not any(n.op == "call_module" and str(n.target).startswith(REGION_PREFIX) for n in gm.graph.nodes):
+        fuse_regions(gm)
+    results: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not str(node.target).startswith(REGION_PREFIX):
+            continue
+        sub = getattr(gm, node.target)
+        if isinstance(sub, TritonRegion):
+            results[node.target] = sub.src
+            continue
+        try:
+            kernel, src = _compile_region(gm, node, sub)
+        except CodegenUnsupported as exc:
+            log.info("%s: region runs as aten (%s)", node.target, exc)
+            ds_meta(node)["fusion_skip_reason"] = f"codegen: {exc}"
+            results[node.target] = str(exc)
+            continue
+        ds_meta(node)["kernel"] = src.name
+        setattr(gm, node.target, TritonRegion(node.target, sub, kernel, src))
+        results[node.target] = src
+    return results
+
+
+@register_lowering("triton", decompositions=triton_decompositions)
+def lower_triton(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable[..., Any]:
+    """Fused regions become generated Triton kernels; matmuls and the rest run as aten calls."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from dscompile.kernels.matmul_epilogue import apply_matmul_epilogues
+
+    results = lower_regions(gm, ctx)
+    apply_matmul_epilogues(gm)
+    gm.recompile()
+    from dscompile.backends.triton_kernels_cache import LOWERED_GRAPHS
+
+    sources = [r for r in results.values() if isinstance(r, KernelSource)]
+    summary = {"regions": len(results), "kernels": len(sources), "kernel_names": [s.name for s in sources]}
+    if ctx is not None:
+        ctx.analysis.setdefault("triton", {})[ctx.graph_name] = summary
+        LOWERED_GRAPHS[ctx.graph_name] = summary
+        dump = getattr(getattr(ctx, "config", None), "dump", None)
+        if dump:
+            from dscompile.backends.triton_kernels_cache import write_dump
+            from dscompile.passes.fusion import region_report
+
+            path = write_dump(sources, dump, ctx.graph_name)
+            (path.parent / "regions.txt").write_text(region_report(gm))
+    return make_boxed_func(gm.forward)

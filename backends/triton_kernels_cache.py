@@ -1,0 +1,138 @@
+"""Load generated kernel source once per region key and launch it (triton is imported lazily).
+
+The cache is process-wide: a region with the same structure, dtypes, shapes and strides compiles
+once however many graphs or compiles contain it. Launch and hit counters back the tests and the
+benchmark's kernel counts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dscompile.backends.triton_codegen import KernelSource
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    launches: int = 0
+
+
+STATS = CacheStats()
+# graph name -> {"regions": n, "kernels": n, "kernel_names": [...]}, filled by the lowering.
+LOWERED_GRAPHS: dict[str, dict] = {}
+_CACHE: dict[str, CompiledKernel] = {}
+_LOCK = threading.Lock()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _source_dir() -> Path:
+    root = Path(os.environ.get("DSCOMPILE_KERNEL_DIR") or Path(tempfile.gettempdir()) / f"dscompile_kernels_{os.getuid()}")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _block_configs(src: KernelSource) -> list[dict[str, int]]:
+    """Tile sizes from the problem size; several candidates when autotuning on a GPU."""
+    if src.kind == "pointwise":
+        if interpreting():
+            return [{"XBLOCK": min(_pow2(src.xnumel), 16384)}]
+        return [{"XBLOCK": b} for b in (256, 512, 1024) if b <= max(_pow2(src.xnumel), 256)]
+    if interpreting():
+        return [{"XBLOCK": max(1, min(_pow2(src.xnumel), 65536 // src.rblock))}]
+    cap = max(1, min(_pow2(src.xnumel), 8192 // src.rblock))
+    return [{"XBLOCK": b} for b in (1, 2, 4, 8, 16, 32) if b <= cap] or [{"XBLOCK": 1}]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class CompiledKernel:
+    """A loaded kernel and its launch: allocate outputs, pick the grid, run."""
+
+    def __init__(self, src: KernelSource) -> None:
+        import triton
+
+        self.src = src
+        path = _source_dir() / f"{src.name}.py"
+        if not path.exists() or path.read_text() != src.source:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(src.source)
+            tmp.replace(path)
+        spec = importlib.util.spec_from_file_location(f"dscompile_kernels.{src.name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fn = getattr(module, src.name)
+        self.configs = _block_configs(src)
+        if len(self.configs) > 1:
+            warps = 4 if src.kind == "pointwise" else 8
+            fn = triton.autotune([triton.Config(c, num_warps=warps) for c in self.configs], key=[])(fn)
+            self.fixed: dict[str, int] = {}
+        else:
+            self.fixed = dict(self.configs[0])
+        if src.kind == "reduction":
+            self.fixed["RBLOCK"] = src.rblock
+        self.fn = fn
+        self.path = path
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        device = inputs[0].device if inputs else torch.device("cpu")
+        outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.src.output_specs]
+        xnumel = self.src.xnumel
+        grid = lambda meta: (triton_cdiv(xnumel, meta["XBLOCK"]),)
+        self.fn[grid](*inputs, *outs, **self.fixed)
+        STATS.launches += 1
+        if self.src.output_is_tuple:
+            return tuple(outs)
+        return outs[0]
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def get_kernel(src: KernelSource) -> CompiledKernel:
+    """The compiled kernel for this source's key, compiling it on first use."""
+    with _LOCK:
+        kernel = _CACHE.get(src.key)
+        if kernel is not None:
+            STATS.hits += 1
+            return kernel
+        STATS.misses += 1
+        kernel = CompiledKernel(src)
+        _CACHE[src.key] = kernel
+        return kernel
+
+
+def cached(key: str) -> bool:
+    return key in _CACHE
+
+
+def clear_cache() -> None:
+    with _LOCK:
+        _CACHE.clear()
+        STATS.hits = STATS.misses = STATS.launches = 0
+        LOWERED_GRAPHS.clear()
+
+
+def write_dump(sources: Sequence[KernelSource], dump_dir: str, graph_name: str) -> Path:
+    """Write each kernel's source into ``<dump>/<graph_name>/kernels/``."""
+    target = Path(dump_dir) / graph_name / "kernels"
+    target.mkdir(parents=True, exist_ok=True)
+    for src in sources:
+        (target / f"{src.name}.py").write_text(src.source)
+    return target

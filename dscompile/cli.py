@@ -1,0 +1,221 @@
+"""The ``dscompile`` command: ``dump`` graphs pass by pass, list ``passes``, run the ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import sys
+import tempfile
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("text", "table", "dot", "svg", "html")
+
+
+class CLIError(Exception):
+    """A user mistake on the command line: printed as one line, exit status 2."""
+
+
+def load_target(target: str) -> Callable[[], Any]:
+    """Resolve ``path/to/file.py:factory`` or ``package.module:factory`` to the factory function."""
+    if ":" not in target:
+        raise CLIError(f"TARGET {target!r} must be 'path/to/file.py:factory' or 'module:factory'")
+    location, _, attr = target.rpartition(":")
+    if not attr:
+        raise CLIError(f"TARGET {target!r} names no factory after ':'")
+    if location.endswith(".py") or "/" in location:
+        path = Path(location)
+        if not path.is_file():
+            raise CLIError(f"TARGET file {location!r} does not exist")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise CLIError(f"importing {location!r} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            sys.path.pop(0)
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ImportError as exc:
+            raise CLIError(f"cannot import module {location!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise CLIError(f"{location!r} has no attribute {attr!r}; callables there: {', '.join(names[:12]) or 'none'}")
+    if not callable(factory):
+        raise CLIError(f"{target!r} is not callable")
+    return factory
+
+
+def _call_factory(factory: Callable[[], Any], target: str) -> tuple[Any, tuple]:
+    import torch
+
+    try:
+        result = factory()
+    except Exception as exc:
+        raise CLIError(f"factory {target!r} raised {type(exc).__name__}: {exc}") from None
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        raise CLIError(f"factory {target!r} must return (model, example_inputs), got {type(result).__name__}")
+    model, inputs = result
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    return model, tuple(inputs)
+
+
+def _step_dirs(out: Path, after: str | None) -> list[Path]:
+    chosen = []
+    for graph_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+        steps = sorted(p for p in graph_dir.iterdir() if p.is_dir())
+        if after is not None:
+            steps = [s for s in steps if s.name.split("_", 1)[1] == after]
+        if steps:
+            chosen.append(steps[-1])
+    return chosen
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    import torch
+
+    from dscompile.config import load_config
+    from dscompile.dump import print_summaries
+    from dscompile.pipeline import get_pass
+
+    factory = load_target(args.target)
+    if args.after is not None and args.after != "captured":
+        get_pass(args.after)  # fails with a suggestion on a typo
+    options: dict[str, Any] = {}
+    if args.config:
+        options["config"] = args.config
+    if args.pipeline:
+        options["pipeline"] = args.pipeline
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dscompile-dump-"))
+    out.mkdir(parents=True, exist_ok=True)
+    options["dump"] = str(out)
+    config = load_config(options)
+    if config.lower is None and not config.pipeline:
+        config.lower = "eager"  # the graphs are what a dump is for; skip Inductor's compile time
+    model, inputs = _call_factory(factory, args.target)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="dscompile", options=config)
+    if args.inference:
+        with torch.no_grad():
+            compiled(*inputs)
+    else:
+        output = compiled(*inputs)
+        loss = output if isinstance(output, torch.Tensor) else next((o for o in output if isinstance(o, torch.Tensor)), None)
+        if loss is not None and loss.requires_grad:
+            loss.float().sum().backward()
+    steps = _step_dirs(out, args.after)
+    if not steps:
+        raise CLIError(f"no graph was dumped after pass {args.after!r}; passes that ran: see {out}")
+    for step in steps:
+        header = f"== {step.parent.name} after {step.name.split('_', 1)[1]} =="
+        if args.format == "text":
+            print(header)
+            print((step / "code.py").read_text())
+        elif args.format == "table":
+            print(header)
+            print((step / "nodes.txt").read_text())
+        elif args.format == "dot":
+            print((step / "graph.dot").read_text())
+        elif args.format == "svg":
+            svg = step / "graph.svg"
+            if not svg.is_file():
+                raise CLIError("SVG needs Graphviz's 'dot' on PATH (apt-get install graphviz); --format dot works without it")
+            print(svg)
+    if args.format == "html":
+        for page in sorted(out.glob("*.html")):
+            print(page)
+    if args.format in ("text", "table"):
+        print(print_summaries(out))
+    print(f"dump written to {out}", file=sys.stderr)
+    return 0
+
+
+def _describe_type(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " | ".join(str(a) for a in typing.get_args(annotation))
+    return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from dscompile.backends import lowerings
+    from dscompile.pipeline import registered_passes
+
+    passes = registered_passes()
+    if args.json:
+        print(
+            json.dumps(
+                {name: {"graphs": info.graphs, "doc": info.doc, "options": [f.name for f in info.option_fields()]} for name, info in passes.items()}, indent=2
+            )
+        )
+        return 0
+    for name, info in passes.items():
+        graphs = ", ".join(info.graphs) if info.graphs else "pipeline setting"
+        print(f"{name}  [{graphs}]")
+        if info.doc:
+            print(f"    {info.doc.splitlines()[0]}")
+        hints = typing.get_type_hints(info.options) if info.options else {}
+        for f in info.option_fields():
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            help_text = f.metadata.get("help", "")
+            print(f"    {f.name}: {_describe_type(hints.get(f.name))} = {default!r}" + (f"  {help_text}" if help_text else ""))
+        if info.requires:
+            print(f"    requires: {', '.join(info.requires)}")
+        if info.conflicts:
+            print(f"    conflicts: {', '.join(info.conflicts)}")
+    print("lowerings: " + ", ".join(sorted(lowerings())))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dscompile.demo import run_demo
+
+    run_demo(steps=args.steps, lower=args.lower)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dscompile", description="DeepSpeed's optimizations as a torch.compile backend")
+    sub = parser.add_subparsers(dest="command", required=True)
+    dump = sub.add_parser("dump", help="compile a model and show its graphs before and after each pass")
+    dump.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory returning (model, example_inputs)")
+    dump.add_argument("--config", help="a ds_config.json")
+    dump.add_argument("--pipeline", help="a textual pipeline, e.g. 'cse,dce,lower(eager)'")
+    dump.add_argument("--out", help="dump directory (default: a new temporary directory)")
+    dump.add_argument("--format", choices=FORMATS, default="text")
+    dump.add_argument("--after", metavar="PASS", help="show the graphs after this pass ('captured' for before the first)")
+    dump.add_argument("--inference", action="store_true", help="run under torch.no_grad() (forward graph only)")
+    dump.set_defaults(func=cmd_dump)
+    passes = sub.add_parser("passes", help="list the registered passes with their options")
+    passes.add_argument("--json", action="store_true")
+    passes.set_defaults(func=cmd_passes)
+    demo = sub.add_parser("demo", help="train a small GPT with backend='dscompile' next to eager PyTorch")
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument("--lower", choices=("eager", "inductor", "triton"), default=None)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dscompile.errors import DSCompileError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CLIError, DSCompileError) as exc:
+        print(f"dscompile {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

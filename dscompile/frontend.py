@@ -1,0 +1,152 @@
+"""The ``dscompile`` torch.compile backend: capture, AOTAutograd, the pass pipeline, lowering.
+
+``torch.compile(model, backend="dscompile", options=CONFIG)`` calls ``dscompile_backend`` once per
+Dynamo graph. Each graph goes through: ``pre_autograd`` passes on the Dynamo graph, AOTAutograd
+(``joint`` passes inside the partition function, then the partitioner), ``forward`` and
+``backward`` passes, and finally the lowering chosen by the pipeline's ``lower(...)`` item.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from dscompile.config import DSConfig, load_config
+from dscompile.pipeline import PassContext, PassInvocation, PassManager, pipeline_from_config, pipeline_lowering
+
+log = logging.getLogger("dscompile.frontend")
+
+_GRAPH_COUNTER = itertools.count()
+
+
+def resolve_lowering(name: str | None) -> str:
+    """``auto`` means Triton on CUDA (dscompile's own backend) and Inductor on CPU."""
+    if name in (None, "auto"):
+        from dscompile.backends import lowerings
+
+        if torch.cuda.is_available() and "triton" in lowerings():
+            return "triton"
+        return "inductor"
+    return name
+
+
+class GraphCompiler:
+    """Compiles one Dynamo graph; holds the state its joint/forward/backward graphs share."""
+
+    def __init__(self, config: DSConfig, invocations: Sequence[PassInvocation], dumper: Any = None) -> None:
+        from dscompile.backends import get_lowering
+
+        self.config = config
+        self.invocations = list(invocations)
+        self.lowering = get_lowering(resolve_lowering(pipeline_lowering(invocations)))
+        self.manager = PassManager(self.invocations, debug=config.debug, dumper=dumper)
+        self.dumper = dumper
+        # With a dump, names follow the directory (graph_0, graph_1, ... per dump), else the process.
+        self.graph_name = dumper.next_graph_name() if dumper is not None else f"graph_{next(_GRAPH_COUNTER)}"
+        self.analysis: dict[str, Any] = {}
+        self.param_names: dict[int, str] = {}
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+    def context(self, kind: str, example_inputs: Sequence[Any], **extra: Any) -> PassContext:
+        return PassContext(
+            config=self.config,
+            graph_kind=kind,
+            graph_name=f"{self.graph_name}.{kind}" if kind != "pre_autograd" else f"{self.graph_name}.dynamo",
+            example_inputs=example_inputs,
+            rank=self.rank,
+            world_size=self.world_size,
+            param_names=self.param_names if kind in ("joint", "forward", "pre_autograd") else {},
+            analysis=self.analysis,
+            **extra,
+        )
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        self.param_names = _parameter_names(gm, example_inputs)
+        gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        compiled = aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=functools.partial(self._compile_graph, "forward", False),
+            bw_compiler=functools.partial(self._compile_graph, "backward", False),
+            inference_compiler=functools.partial(self._compile_graph, "forward", True),
+            partition_fn=self._partition,
+            decompositions=self.lowering.decompositions(),
+            keep_inference_input_mutations=True,
+        )
+        return compiled
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], *, num_fwd_outputs: int, **kwargs: Any) -> Any:
+        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+        ctx = self.context("joint", joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        joint = self.manager.run(joint, ctx)
+        partition = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
+        # A joint pass may choose its own partitioner (same signature as AOTAutograd's).
+        partition = self.analysis.get("partition_fn", partition)
+        return partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def _compile_graph(self, kind: str, inference: bool, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        ctx = self.context(kind, example_inputs, is_inference=inference)
+        if inference:
+            ctx.graph_name = f"{self.graph_name}.inference"
+        gm = self.manager.run(gm, ctx)
+        return self.lowering.compile(gm, example_inputs, ctx)
+
+
+def _parameter_names(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict[int, str]:
+    """Map input positions that hold parameters to readable names (Dynamo lifts them as inputs)."""
+    names: dict[int, str] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, torch.nn.Parameter):
+            names[index] = _readable_param_name(node)
+    return names
+
+
+def _readable_param_name(node: torch.fx.Node) -> str:
+    source = node.meta.get("grapharg")
+    name = getattr(getattr(source, "source", None), "name", None)
+    text = name() if callable(name) else (name or node.target)
+    text = str(text)
+    for prefix in ("L['self'].", "L_self_"):
+        text = text.replace(prefix, "")
+    text = text.replace("_modules['", "").replace("_parameters['", "").replace("']", "").replace("._modules", "")
+    return text.replace("modules_", "").replace("_parameters_", ".")
+
+
+def dscompile_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Any = None,
+    mode: str | None = None,
+    **unexpected: Any,
+) -> Callable[..., Any]:
+    """The torch.compile backend registered as ``"dscompile"``.
+
+    ``options`` is a DeepSpeed-style config dict, ``{"config": "ds_config.json"}``, a DSConfig, or
+    ``{"pipeline": "pass(opt=1),...,lower(eager)"}``. ``mode`` is accepted for torch.compile
+    compatibility; ``"reduce-overhead"`` and ``"max-autotune"`` are Inductor's and change nothing here.
+    """
+    if unexpected:
+        from dscompile.errors import DSCompileConfigError
+
+        raise DSCompileConfigError(next(iter(unexpected)), "is not an argument of the dscompile backend", "pass settings inside options={...}")
+    config = load_config(options)
+    invocations = pipeline_from_config(config)
+    dumper = None
+    if config.dump:
+        from dscompile.dump import Dumper
+
+        dumper = Dumper(config.dump)
+    compiler = GraphCompiler(config, invocations, dumper)
+    log.info("%s: pipeline %s", compiler.graph_name, ",".join(inv.spec() for inv in invocations))
+    return compiler.compile(gm, example_inputs)

@@ -1,0 +1,195 @@
+"""Node-metadata helpers shared by every pass, plus the checks the pipeline runs after each pass.
+
+Passes talk to each other only through ``node.meta["dscompile"][...]`` (see ``ds_meta``) and
+PyTorch's own metadata (``meta["val"]``, ``meta["recompute"]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from dscompile.errors import DSCompilePassError
+
+META_NAMESPACE = "dscompile"
+
+# Ops whose results are legitimately not tensors (or None) and so may lack a fake value.
+_VALUELESS_TARGETS = {"output"}
+
+
+def ds_meta(node: torch.fx.Node) -> dict[str, Any]:
+    """The dscompile metadata dict of a node, created on first use."""
+    return node.meta.setdefault(META_NAMESPACE, {})
+
+
+def node_value(node: torch.fx.Node) -> Any:
+    """The node's fake value: AOTAutograd's ``val`` or Dynamo's ``example_value``."""
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("example_value")
+
+
+def tensor_values(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (possibly nested) node value."""
+    found: list[torch.Tensor] = []
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                visit(item)
+        elif isinstance(v, dict):
+            for item in v.values():
+                visit(item)
+
+    visit(value)
+    return found
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """A short, stable name for a node's operation: ``aten.mm``, ``placeholder``, ``mod.fc``."""
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return f"{target.namespace}.{target._opname}"
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            return str(target)
+        if hasattr(target, "__module__") and hasattr(target, "__name__"):
+            module = target.__module__ or ""
+            if module.startswith("torch._ops") or module == "_operator":
+                module = module.replace("_operator", "operator")
+            return f"{module}.{target.__name__}" if module else target.__name__
+        return str(target)
+    if node.op in ("call_module", "call_method", "get_attr"):
+        return f"{node.op}.{node.target}"
+    return node.op
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """True for a functional collective (or its wait) inserted as a graph node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target.namespace in ("_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def lint_graph(gm: torch.fx.GraphModule, pass_name: str) -> None:
+    """Structural checks after a pass: FX's lint plus a fake value on every computing node."""
+    try:
+        gm.graph.lint()
+    except Exception as exc:  # FX raises RuntimeError subclasses with a good message
+        raise DSCompilePassError(f"pass '{pass_name}' left a malformed graph: {exc}") from exc
+    if not _graph_has_values(gm):
+        return  # graphs captured without fake values (plain symbolic_trace) are not checked
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module", "placeholder"):
+            if "val" not in node.meta and "example_value" not in node.meta:
+                raise DSCompilePassError(
+                    f"pass '{pass_name}' created node '{node.name}' ({op_name(node)}) without meta['val']; set it from the fake value of the new computation"
+                )
+
+
+def _graph_has_values(gm: torch.fx.GraphModule) -> bool:
+    return any("val" in n.meta or "example_value" in n.meta for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def fake_mode_of(gm: torch.fx.GraphModule) -> Any:
+    """The FakeTensorMode the graph's values were traced under, or None."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and isinstance(node_value(node), FakeTensor):
+            return node_value(node).fake_mode
+    return None
+
+
+class _FakeReplay(torch.fx.Interpreter):
+    """Re-runs a graph on fake tensors and compares each result with the recorded ``meta['val']``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, fake_mode: Any, pass_name: str) -> None:
+        super().__init__(gm)
+        self.fake_mode = fake_mode
+        self.pass_name = pass_name
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            value = self.fake_mode.from_tensor(value)
+        return value
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op not in ("placeholder", "output"):
+            recorded = node_value(n)
+            if recorded is not None:
+                _compare_values(n, recorded, result, self.pass_name)
+        return result
+
+
+def _same_dims(a: Iterable[Any], b: Iterable[Any]) -> bool:
+    a, b = list(a), list(b)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                return False
+        elif str(x) != str(y):
+            return False
+    return True
+
+
+def _compare_values(node: torch.fx.Node, recorded: Any, fresh: Any, pass_name: str) -> None:
+    old, new = tensor_values(recorded), tensor_values(fresh)
+    if len(old) != len(new):
+        raise DSCompilePassError(
+            f"after pass '{pass_name}', node '{node.name}' ({op_name(node)}) produces {len(new)} tensors but meta['val'] records {len(old)}"
+        )
+    for a, b in zip(old, new):
+        if a.dtype != b.dtype or not _same_dims(a.shape, b.shape):
+            raise DSCompilePassError(
+                f"after pass '{pass_name}', node '{node.name}' ({op_name(node)}) computes "
+                f"{b.dtype}{list(b.shape)} but meta['val'] says {a.dtype}{list(a.shape)}"
+            )
+
+
+def _into_mode(value: Any, fake_mode: Any) -> Any:
+    if isinstance(value, FakeTensor) and value.fake_mode is fake_mode:
+        return value
+    if isinstance(value, torch.Tensor):
+        return fake_mode.from_tensor(value)
+    return value
+
+
+def verify_fake_values(gm: torch.fx.GraphModule, pass_name: str) -> None:
+    """Debug-mode check: re-propagate fake values through the graph and fail on a mismatch."""
+    fake_mode = fake_mode_of(gm)
+    if fake_mode is None:
+        return
+    inputs = [_into_mode(node_value(n), fake_mode) for n in gm.graph.nodes if n.op == "placeholder"]
+    with fake_mode:
+        _FakeReplay(gm, fake_mode, pass_name).run(*inputs)
+
+
+def set_fake_value(node: torch.fx.Node, fake_mode: Any | None = None) -> Any:
+    """Compute and store ``meta['val']`` for a new call_function node from its inputs' values."""
+    if node.op != "call_function":
+        raise ValueError("set_fake_value handles call_function nodes")
+
+    def value_of(arg: Any) -> Any:
+        return node_value(arg) if isinstance(arg, torch.fx.Node) else arg
+
+    args = torch.fx.node.map_aggregate(node.args, value_of)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, value_of)
+    if fake_mode is None:
+        # The inputs' own mode first: under Dynamo the tracing context's mode is a different one.
+        fake_mode = next((t.fake_mode for t in tensor_values((args, kwargs)) if isinstance(t, FakeTensor)), None)
+    if fake_mode is None:
+        value = node.target(*args, **kwargs)
+    else:
+        with fake_mode:
+            value = node.target(*args, **kwargs)
+    node.meta["val"] = value
+    return value

@@ -1,0 +1,70 @@
+"""Build the optimizer a DeepSpeed config's ``optimizer`` section names, with DeepSpeed's meanings.
+
+DeepSpeed's ``Adam`` decouples weight decay unless ``adam_w_mode`` is false, so ``Adam`` maps to
+``torch.optim.AdamW`` by default; ``torch_adam`` and ``fused`` only choose an implementation there
+and are accepted for compatibility.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dscompile.config import OptimizerConfig
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
+
+_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
+_UNBUILT = {
+    "lamb": "the LAMB optimizer",
+    "onebitadam": "1-bit Adam",
+    "onebitlamb": "1-bit LAMB",
+    "zerooneadam": "0/1 Adam",
+    "muadam": "MuP optimizers",
+    "muadamw": "MuP optimizers",
+    "musgd": "MuP optimizers",
+    "lion": "the Lion optimizer",
+}
+# Implementation switches DeepSpeed accepts that do not change the maths.
+_IMPLEMENTATION_FLAGS = {"torch_adam", "fused", "foreach", "capturable"}
+
+
+def build_optimizer(section: OptimizerConfig, params: Iterable[Any]) -> torch.optim.Optimizer:
+    """Instantiate ``section.type`` over ``params`` after checking every parameter name."""
+    kind = section.type.lower().replace("_", "")
+    kwargs = dict(section.params)
+    if kind in _UNBUILT:
+        raise DSCompileNotSupportedError("optimizer.type", _UNBUILT[kind])
+    if kind == "adam":
+        adam_w_mode = kwargs.pop("adam_w_mode", True)
+        if not isinstance(adam_w_mode, bool):
+            raise DSCompileConfigError("optimizer.params.adam_w_mode", f"expected true or false, got {adam_w_mode!r}")
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    elif kind in _TORCH_OPTIMIZERS:
+        cls = _TORCH_OPTIMIZERS[kind]
+    else:
+        known = ["Adam", "AdamW", "SGD", "Adagrad", "RMSprop"]
+        raise DSCompileConfigError("optimizer.type", f"unknown optimizer {section.type!r}", suggest(section.type, known) or f"use one of {known}")
+    for flag in _IMPLEMENTATION_FLAGS & set(kwargs):
+        if flag in ("foreach", "fused") and flag in inspect.signature(cls).parameters:
+            continue
+        kwargs.pop(flag)
+    accepted = [p for p in inspect.signature(cls).parameters if p != "params"]
+    for key in kwargs:
+        if key not in accepted:
+            raise DSCompileConfigError(
+                f"optimizer.params.{key}", f"is not a parameter of {cls.__name__}", suggest(key, accepted) or f"valid: {', '.join(accepted)}"
+            )
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise DSCompileConfigError("optimizer.params", str(exc)) from None

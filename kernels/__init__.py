@@ -1,0 +1,1 @@
+"""Hand-written Triton kernels, each with a PyTorch reference beside it."""

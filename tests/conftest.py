@@ -1,0 +1,27 @@
+"""Test-session set-up: Triton runs in its interpreter when there is no GPU, Dynamo starts clean."""
+
+from __future__ import annotations
+
+import os
+
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        # Must happen before anything imports triton.
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch, so cached graphs of one test never serve another."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def pytest_configure(config):
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,0 +1,48 @@
+"""The dump: every graph before the first pass and after each, with code, table, DOT, summary, HTML."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dscompile.zoo import build
+
+
+def _compile_and_train(options):
+    case = build("gpt")
+    compiled = torch.compile(case.model, backend="dscompile", options=options)
+    compiled(*case.batch()).backward()
+
+
+def test_dump_writes_every_graph_and_pass(tmp_path):
+    _compile_and_train({"lower": "eager", "dump": str(tmp_path)})
+    graphs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert graphs == ["graph_0.backward", "graph_0.dynamo", "graph_0.forward", "graph_0.joint"]
+    forward_steps = sorted(p.name for p in (tmp_path / "graph_0.forward").iterdir())
+    assert forward_steps == ["00_captured", "01_cse", "02_noop_views", "03_dce"]
+    step = tmp_path / "graph_0.forward" / "03_dce"
+    for name in ("code.py", "nodes.txt", "graph.dot", "summary.json"):
+        assert (step / name).stat().st_size > 0, name
+    summary = json.loads((step / "summary.json").read_text())
+    case = build("gpt")
+    assert summary["parameters"] == len(list(case.model.parameters()))
+    assert summary["parameter_bytes"] == sum(p.numel() * 4 for p in case.model.parameters())
+    assert summary["flops_estimate"] > 0 and summary["peak_live_bytes"] > 0
+    assert summary["nodes_by_op"]["placeholder"] >= summary["parameters"]
+    assert summary["pass"]["spec"] == "dce"
+    assert "digraph" in (step / "graph.dot").read_text()
+    assert "aten.mm" in (step / "nodes.txt").read_text() or "aten.addmm" in (step / "nodes.txt").read_text()
+
+
+def test_html_page_is_self_contained(tmp_path):
+    _compile_and_train({"lower": "eager", "dump": str(tmp_path)})
+    page = (tmp_path / "graph_0.html").read_text()
+    assert "<script>" in page and "http" not in page.split("<script>")[1].split("</script>")[0].replace("https://", "")
+    assert page.count("graph_0.backward · ") >= 1 or "graph_0.backward" in page
+
+
+def test_environment_variable_enables_dump(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSCOMPILE_DUMP", str(tmp_path))
+    _compile_and_train({"lower": "eager"})
+    assert (tmp_path / "graph_0.dynamo" / "00_captured" / "code.py").is_file()
