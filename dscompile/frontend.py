@@ -69,6 +69,7 @@ class GraphCompiler:
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.param_names = _parameter_names(gm, example_inputs)
+        _annotate_parameters(gm, self.param_names)
         gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
         from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -88,6 +89,7 @@ class GraphCompiler:
         from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
         ctx = self.context("joint", joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        _annotate_parameters(joint, self.param_names)
         joint = self.manager.run(joint, ctx)
         partition = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
         # A joint pass may choose its own partitioner (same signature as AOTAutograd's).
@@ -98,6 +100,8 @@ class GraphCompiler:
         ctx = self.context(kind, example_inputs, is_inference=inference)
         if inference:
             ctx.graph_name = f"{self.graph_name}.inference"
+        if kind == "forward":
+            _annotate_parameters(gm, self.param_names)
         gm = self.manager.run(gm, ctx)
         return self.lowering.compile(gm, example_inputs, ctx)
 
@@ -110,6 +114,20 @@ def _parameter_names(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
         if isinstance(value, torch.nn.Parameter):
             names[index] = _readable_param_name(node)
     return names
+
+
+def _annotate_parameters(gm: torch.fx.GraphModule, param_names: dict[int, str]) -> None:
+    """Mark parameter placeholders with ``meta["dscompile"]["param"]`` (their position is stable).
+
+    Dynamo's graph and AOTAutograd's joint and forward graphs all take the parameters as the same
+    leading inputs, so one index map serves the three.
+    """
+    from dscompile.graph import ds_meta
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, name in param_names.items():
+        if index < len(placeholders):
+            ds_meta(placeholders[index])["param"] = name
 
 
 def _readable_param_name(node: torch.fx.Node) -> str:
