@@ -1,0 +1,190 @@
+"""fp16 loss scaling with DeepSpeed's schedule: skip the step on inf/NaN, halve, hysteresis, grow.
+
+The engine (``DSCompileEngine``) drives a scaler through its ``LossScaler`` protocol:
+``scale(loss)`` before backward, ``unscale_and_check(params)`` before clipping and the optimizer
+step (True means "overflow: skip this step"), then ``update(overflow)``. The current scale is
+``engine.loss_scaler.loss_scale`` (alias ``cur_scale``, DeepSpeed's name).
+
+Schedule (DeepSpeed's ``fp16`` section, ``loss_scale: 0``):
+
+- the scale starts at ``2 ** initial_scale_power``;
+- an overflow with no hysteresis left halves it (never below ``min_loss_scale``); while hysteresis
+  remains (``hysteresis`` overflows are tolerated), an overflow only uses one up;
+- after ``loss_scale_window`` steps without overflow (counted from the last overflow) the scale
+  doubles and the hysteresis is restored; with ``consecutive_hysteresis`` every clean step
+  restores it (so only consecutive overflows lower the scale);
+- an overflow while the scale already sits at ``min_loss_scale`` with no hysteresis left is fatal
+  (``raise_error_at_min_scale``), as in DeepSpeed: training cannot recover by itself.
+
+``loss_scale > 0`` is a static scale: overflowing steps are still skipped, the scale never moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("dscompile.runtime.loss_scaler")
+
+
+class LossScaleAtMinimumError(RuntimeError):
+    """The scale cannot go lower and gradients still overflow: the run has diverged."""
+
+
+def grads_overflow(parameters: Iterable[nn.Parameter], group: Any = None) -> bool:
+    """True when any gradient on any rank holds inf or NaN.
+
+    One fused reduction per rank (no host sync per tensor); with torch.distributed initialised
+    the flag is all-reduced (MAX) so that every rank skips the same steps.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    flag = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    if grads:
+        norms = torch._foreach_norm(grads, float("inf"))  # inf or NaN anywhere makes the max-norm non-finite
+        flag = (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float()
+    if dist.is_available() and dist.is_initialized():
+        if flag.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)
+
+
+def unscale_gradients(parameters: Iterable[nn.Parameter], scale: float) -> None:
+    """Divide every gradient by ``scale`` in place (a power of two, so exact in floating point)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads and scale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / scale)
+
+
+class StaticLossScaler:
+    """A fixed loss scale (DeepSpeed's ``loss_scale > 0``); overflowing steps are still skipped."""
+
+    dynamic = False
+
+    def __init__(self, scale: float, group: Any = None) -> None:
+        if not scale > 0 or not math.isfinite(scale):
+            raise ValueError(f"a static loss scale must be a positive finite number, got {scale}")
+        self.cur_scale = float(scale)
+        self.group = group
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.cur_scale
+
+    def unscale_and_check(self, parameters: list[nn.Parameter]) -> bool:
+        """Check the scaled gradients for inf/NaN (all ranks); unscale them only when clean."""
+        if grads_overflow(parameters, self.group):
+            return True
+        unscale_gradients(parameters, self.cur_scale)
+        return False
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            log.warning("gradient overflow with static loss scale %g: step skipped", self.cur_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "static", "cur_scale": self.cur_scale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cur_scale = float(state["cur_scale"])
+
+
+class DynamicLossScaler(StaticLossScaler):
+    """DeepSpeed's dynamic loss scale schedule (see the module docstring)."""
+
+    dynamic = True
+
+    def __init__(
+        self,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_loss_scale: float = 1.0,
+        scale_factor: float = 2.0,
+        raise_error_at_min_scale: bool = True,
+        group: Any = None,
+    ) -> None:
+        if loss_scale_window < 1:
+            raise ValueError(f"loss_scale_window must be >= 1, got {loss_scale_window}")
+        if hysteresis < 1:
+            raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
+        if not min_loss_scale > 0:
+            raise ValueError(f"min_loss_scale must be > 0, got {min_loss_scale}")
+        super().__init__(2.0**initial_scale_power, group)
+        self.scale_window = int(loss_scale_window)
+        self.delayed_shift = int(hysteresis)
+        self.cur_hysteresis = int(hysteresis)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.min_scale = float(min_loss_scale)
+        self.scale_factor = float(scale_factor)
+        self.raise_error_at_min_scale = raise_error_at_min_scale
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    def update(self, overflow: bool) -> None:
+        """Advance the schedule by one optimizer step."""
+        if overflow:
+            if self.cur_hysteresis <= 1:
+                if self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
+                    raise LossScaleAtMinimumError(
+                        f"gradient overflow with the loss scale already at min_loss_scale={self.min_scale:g}; "
+                        "the run has diverged (lower the learning rate, use bf16, or lower fp16.min_loss_scale)"
+                    )
+                new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+                log.warning("gradient overflow: step skipped, loss scale %g -> %g", self.cur_scale, new_scale)
+                self.cur_scale = new_scale
+            else:
+                self.cur_hysteresis -= 1
+                log.warning(
+                    "gradient overflow: step skipped, loss scale stays %g (hysteresis left %d)",
+                    self.cur_scale,
+                    self.cur_hysteresis,
+                )
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "dynamic",
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "cur_hysteresis": self.cur_hysteresis,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cur_scale = float(state["cur_scale"])
+        self.cur_iter = int(state["cur_iter"])
+        self.last_overflow_iter = int(state["last_overflow_iter"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+
+
+def build_loss_scaler(fp16: Any, group: Any = None) -> StaticLossScaler:
+    """The scaler an ``fp16`` config section asks for (``loss_scale == 0`` means dynamic)."""
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(fp16.loss_scale, group)
+    return DynamicLossScaler(
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
+        group=group,
+    )

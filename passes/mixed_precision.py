@@ -1,0 +1,739 @@
+"""Mixed precision as a graph pass (``amp``): bf16 or fp16 compute, fp32 master weights.
+
+On the Dynamo graph (``pre_autograd``, the level where ``torch.autocast`` acts) a cast policy
+gives every op a compute dtype: matmul-class ops (linear, matmul, bmm, convolution, attention)
+run in the low precision; numerically sensitive ops (softmax, log-softmax, layer/RMS/group norm,
+losses, large reductions, exp/log/pow...) in fp32; ops that combine tensors (cat, stack...) in
+the widest input dtype; every other op runs in whatever dtype its inputs have, as under autocast.
+A cast is inserted once per (value, dtype); parameters stay fp32 (the optimizer's master
+weights) and the graph casts them, so AOTAutograd derives the backward casts and parameter
+gradients arrive in fp32. Graph outputs keep their original dtype.
+
+Then, on every graph it runs on (also AOTAutograd's forward and backward graphs), redundant
+casts are folded: a cast to the dtype a value already has, and chains whose middle dtype holds
+the source exactly (bf16 -> fp32 -> bf16 is the identity). Counts before/after are recorded.
+
+Metadata left for later passes (``node.meta["dscompile"]``):
+  ``dtype``            the torch.dtype a floating-point node computes in after this pass
+  ``amp``              the policy class of an op: "low" | "fp32" | "promote" | "keep" | "cast"
+  ``amp_cast``         on inserted casts: {"reason": low|fp32|promote|output|restore, "source": name}
+  ``amp_param_cast``   on a cast whose input is a parameter: the parameter's name. ZeRO-3 should
+                       gather the *output* of this cast (the low-precision shard) instead of the
+                       fp32 parameter, so half the bytes travel.
+  output node ``amp``  the cast counts of the graph (also in ``ctx.analysis["amp"][graph_name]``)
+
+The config keys are DeepSpeed's ``bf16`` and ``fp16`` sections; fp16 also installs the engine's
+dynamic loss scaler (``dscompile.runtime.loss_scaler``), read as ``engine.loss_scaler.loss_scale``.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+
+from dscompile.config import parse_dataclass, register_section
+from dscompile.engine import DSCompileEngine, register_engine_extension
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.graph import ds_meta, fake_mode_of, node_value, set_fake_value, tensor_values
+from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
+
+log = logging.getLogger("dscompile.passes.amp")
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+LOW_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# --------------------------------------------------------------------------------------------
+# config sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FP16Config:
+    """``fp16``: DeepSpeed's keys and defaults; ``loss_scale: 0`` selects the dynamic scaler."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    auto_cast: bool = False
+    fp16_master_weights_and_grads: bool = False
+
+    def validate(self, path: str) -> None:
+        if self.loss_scale < 0:
+            raise DSCompileConfigError(f"{path}.loss_scale", f"must be >= 0 (0 means dynamic), got {self.loss_scale}")
+        if not 0 <= self.initial_scale_power <= 63:
+            raise DSCompileConfigError(f"{path}.initial_scale_power", f"must be in [0, 63], got {self.initial_scale_power}")
+        if self.loss_scale_window < 1:
+            raise DSCompileConfigError(f"{path}.loss_scale_window", f"must be >= 1, got {self.loss_scale_window}")
+        if self.hysteresis < 1:
+            raise DSCompileConfigError(f"{path}.hysteresis", f"must be >= 1, got {self.hysteresis}")
+        if not self.min_loss_scale > 0:
+            raise DSCompileConfigError(f"{path}.min_loss_scale", f"must be > 0, got {self.min_loss_scale}")
+        if self.auto_cast:
+            raise DSCompileNotSupportedError(
+                f"{path}.auto_cast", "casting the model inputs to fp16 (the graph casts where the policy says)"
+            )
+        if self.fp16_master_weights_and_grads:
+            raise DSCompileNotSupportedError(
+                f"{path}.fp16_master_weights_and_grads", "fp16 master weights (master weights stay fp32)"
+            )
+
+
+@dataclass
+class BF16Config:
+    """``bf16``: only ``enabled``; bf16 needs no loss scaling."""
+
+    enabled: bool = False
+
+
+register_section("fp16", lambda value, path: parse_dataclass(FP16Config, value, path), "fp16 mixed precision")
+register_section("bf16", lambda value, path: parse_dataclass(BF16Config, value, path), "bf16 mixed precision")
+
+
+def precision_of(config: Any) -> str | None:
+    """``"bf16"``, ``"fp16"`` or None for a config; both enabled is a contradiction."""
+    fp16 = config.sections.get("fp16")
+    bf16 = config.sections.get("bf16")
+    fp16_on = bool(fp16 and fp16.enabled)
+    bf16_on = bool(bf16 and bf16.enabled)
+    if fp16_on and bf16_on:
+        raise DSCompileConfigError(
+            "bf16.enabled",
+            "cannot be combined with fp16.enabled: choose one low precision",
+            "set fp16.enabled or bf16.enabled to false",
+        )
+    return "fp16" if fp16_on else "bf16" if bf16_on else None
+
+
+# Rule order 15: after the Dynamo-graph rewrites (10) and before sharding (20), so that ZeRO
+# sees the parameter casts and can gather the low-precision copies.
+@register_config_rule(15, "mixed_precision")
+def _mixed_precision_rule(config: Any) -> list[PassInvocation]:
+    precision = precision_of(config)
+    return [invocation("amp", dtype=precision)] if precision else []
+
+
+@register_engine_extension(40, "mixed_precision")
+def _install_loss_scaler(engine: DSCompileEngine) -> None:
+    """fp16 training gets DeepSpeed's loss scaler; bf16 needs none (the graph does the casts)."""
+    from dscompile.runtime.loss_scaler import build_loss_scaler
+
+    precision = precision_of(engine.config)
+    if precision is None:
+        return
+    odd = sorted({str(p.dtype) for p in engine.trainable_parameters() if p.dtype != torch.float32})
+    if odd:
+        raise DSCompileConfigError(
+            f"{precision}.enabled",
+            f"the model's trainable parameters must be fp32 master weights, found {', '.join(odd)}",
+            "do not call model.half()/bfloat16(): the compiled graph casts them",
+        )
+    if precision == "fp16":
+        engine.loss_scaler = build_loss_scaler(engine.config.sections["fp16"])
+
+
+# --------------------------------------------------------------------------------------------
+# cast policy
+# --------------------------------------------------------------------------------------------
+
+Rule = Literal["low", "fp32", "promote", "keep", "opaque"]
+
+# Ops torch.autocast runs in the low precision (CUDA and CPU lists; einsum decomposes to bmm).
+_LOW_COMMON = {
+    "linear",
+    "matmul",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "addbmm",
+    "einsum",
+    "linalg_vecdot",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "convolution",
+    "_convolution",
+    "conv_tbc",
+    "prelu",
+    "scaled_dot_product_attention",
+}
+_LOW_CUDA_ONLY = {"addmv", "addr", "mv", "chain_matmul", "linalg_multi_dot", "multi_dot"}
+
+_LOSSES = {
+    "cross_entropy",
+    "nll_loss",
+    "nll_loss2d",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "kl_div",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "poisson_nll_loss",
+    "gaussian_nll_loss",
+    "cosine_embedding_loss",
+    "hinge_embedding_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "multilabel_soft_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "ctc_loss",
+}
+# Numerically sensitive ops kept in fp32 (torch.autocast's CUDA list, plus all norms and
+# mean/var/std as large reductions).
+_FP32_DEFAULT = _LOSSES | {
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "softplus",
+    "layer_norm",
+    "native_layer_norm",
+    "group_norm",
+    "rms_norm",
+    "batch_norm",
+    "instance_norm",
+    "norm",
+    "frobenius_norm",
+    "nuclear_norm",
+    "linalg_vector_norm",
+    "linalg_matrix_norm",
+    "vector_norm",
+    "matrix_norm",
+    "cosine_similarity",
+    "normalize",
+    "softmax",
+    "log_softmax",
+    "_softmax",
+    "_log_softmax",
+    "softmin",
+    "logsumexp",
+    "sum",
+    "prod",
+    "cumsum",
+    "cumprod",
+    "mean",
+    "var",
+    "std",
+    "var_mean",
+    "std_mean",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+}
+# torch.autocast's CPU fp32 list (the ops the "autocast" policy keeps in fp32 on CPU).
+_FP32_CPU_AUTOCAST = _LOSSES | {
+    "avg_pool3d",
+    "grid_sampler",
+    "polar",
+    "prod",
+    "quantile",
+    "nanquantile",
+    "stft",
+    "cdist",
+    "trace",
+    "cholesky",
+    "cholesky_inverse",
+    "cholesky_solve",
+    "inverse",
+    "lu_solve",
+    "orgqr",
+    "ormqr",
+    "pinverse",
+    "max_pool3d",
+    "max_unpool2d",
+    "max_unpool3d",
+    "adaptive_avg_pool3d",
+}
+_PROMOTE = {
+    "cat",
+    "concat",
+    "concatenate",
+    "stack",
+    "index_copy",
+    "addcmul",
+    "addcdiv",
+    "atan2",
+    "cross",
+    "dot",
+    "vdot",
+    "tensordot",
+    "index_put",
+    "scatter_add",
+    "bilinear",
+}
+
+_OPERATOR_NAMES: dict[Callable[..., Any], str] = {operator.matmul: "matmul", operator.pow: "pow"}
+_ZERO_GATHER = "dscompile::zero_gather"  # ZeRO-3's parameter gather (dscompile.runtime.zero_ops)
+
+
+@dataclass(frozen=True)
+class CastPolicy:
+    """Which op names run in the low precision and which in fp32."""
+
+    low: frozenset[str]
+    fp32: frozenset[str]
+    promote: frozenset[str] = field(default=frozenset(_PROMOTE))
+
+
+POLICIES: dict[str, Callable[[torch.device], CastPolicy]] = {
+    # The issue's policy on every device: CUDA autocast's lists (norms, softmax... in fp32).
+    "default": lambda device: CastPolicy(frozenset(_LOW_COMMON | _LOW_CUDA_ONLY), frozenset(_FP32_DEFAULT)),
+    # Exactly torch.autocast's lists for the device the graph runs on.
+    "autocast": lambda device: (
+        CastPolicy(frozenset(_LOW_COMMON), frozenset(_FP32_CPU_AUTOCAST))
+        if device.type == "cpu"
+        else CastPolicy(
+            frozenset(_LOW_COMMON | _LOW_CUDA_ONLY),
+            frozenset(
+                _FP32_DEFAULT
+                - {
+                    "mean",
+                    "var",
+                    "std",
+                    "var_mean",
+                    "std_mean",
+                    "rms_norm",
+                    "batch_norm",
+                    "instance_norm",
+                    "normalize",
+                    "softmin",
+                }
+            ),
+        )
+    ),
+}
+
+
+def op_key(node: torch.fx.Node) -> str | None:
+    """The op name the policy tables use, for the spellings a Dynamo graph contains."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in _OPERATOR_NAMES:
+        return _OPERATOR_NAMES[target]
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname if target.namespace in ("aten", "prims") else None
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None)
+    if name and module.startswith("torch") and not isinstance(target, torch._ops.HigherOrderOperator):
+        return name
+    return None
+
+
+def classify(node: torch.fx.Node, policy: CastPolicy) -> Rule:
+    if node.op == "call_module" or (node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)):
+        return "opaque"
+    if (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace not in ("aten", "prims")
+    ):
+        return "opaque"  # custom kernels (dscompile::..., user ops): their dtype contract is their own
+    key = op_key(node)
+    if key is None:
+        return "keep"
+    if key in policy.low:
+        return "low"
+    if key in policy.fp32:
+        return "fp32"
+    if key in policy.promote:
+        return "promote"
+    return "keep"
+
+
+# --------------------------------------------------------------------------------------------
+# cast recognition and folding (any graph kind)
+# --------------------------------------------------------------------------------------------
+
+_METHOD_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+# dtype -> the dtypes it represents exactly (a round trip through it loses nothing).
+_HOLDS_EXACTLY = {
+    torch.float64: {torch.float64, torch.float32, torch.bfloat16, torch.float16},
+    torch.float32: {torch.float32, torch.bfloat16, torch.float16},
+    torch.bfloat16: {torch.bfloat16},
+    torch.float16: {torch.float16},
+}
+
+
+def _same_place(node: torch.fx.Node, src: torch.fx.Node) -> bool:
+    """A ``_to_copy`` that changes nothing but the dtype (same device, strided, format kept)."""
+    extra = set(node.kwargs) - {"dtype", "layout", "device"}
+    if extra or node.kwargs.get("layout", torch.strided) != torch.strided:
+        return False
+    value = node_value(src)
+    device = node.kwargs.get("device")
+    return device is None or (isinstance(value, torch.Tensor) and torch.device(device) == value.device)
+
+
+def cast_source(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.dtype] | None:
+    """``(input, dtype)`` when ``node`` is a pure dtype conversion, else None."""
+    args, kwargs = node.args, node.kwargs
+    if not args or not isinstance(args[0], torch.fx.Node):
+        return None
+    if node.op == "call_function":
+        if node.target is aten._to_copy.default and len(args) == 1 and "dtype" in kwargs and _same_place(node, args[0]):
+            return args[0], kwargs["dtype"]
+        if node.target is prims.convert_element_type.default and len(args) == 2:
+            return args[0], args[1]
+    if node.op == "call_method":
+        if node.target in _METHOD_CASTS and len(args) == 1 and not kwargs:
+            return args[0], _METHOD_CASTS[node.target]
+        if node.target == "to" and len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
+            return args[0], args[1]
+    return None
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype | None:
+    value = node_value(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _is_mutated(node: torch.fx.Node) -> bool:
+    for user in node.users:
+        if user.op == "call_method" and str(user.target).endswith("_") and user.args and user.args[0] is node:
+            return True
+        if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable:
+            return True
+    return False
+
+
+def count_casts(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if cast_source(n) is not None)
+
+
+def fold_casts(gm: torch.fx.GraphModule) -> int:
+    """Remove casts to a value's own dtype and shortcut lossless cast chains; returns casts removed."""
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    before = count_casts(gm)
+    for node in list(graph.nodes):
+        found = cast_source(node)
+        if found is None:
+            continue
+        src, dtype = found
+        # Walk back through casts that held their input exactly: cast(cast(x, a), b) == cast(x, b).
+        while (inner := cast_source(src)) is not None and _dtype(inner[0]) in _HOLDS_EXACTLY.get(inner[1], ()):
+            src = inner[0]
+        if output in node.users or _is_mutated(node) or _is_mutated(src):
+            continue  # outputs keep their identity (aliasing was recorded); mutations need copies
+        if _dtype(src) == dtype:
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+        elif src is not node.args[0]:
+            node.args = (src, *node.args[1:])
+    for node in reversed(list(graph.nodes)):
+        if cast_source(node) is not None and not node.users:
+            graph.erase_node(node)
+    return before - count_casts(gm)
+
+
+# --------------------------------------------------------------------------------------------
+# cast insertion (the Dynamo graph)
+# --------------------------------------------------------------------------------------------
+
+
+def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _signature(value: Any) -> tuple:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensor_values(value))
+
+
+class _CastInserter:
+    """Walks the graph once, giving each op its compute dtype and re-deriving fake values."""
+
+    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext, low: torch.dtype, policy_name: str) -> None:
+        self.gm, self.graph, self.ctx, self.low = gm, gm.graph, ctx, low
+        self.fake_mode = fake_mode_of(gm)
+        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.param_of = {self.placeholders[i]: name for i, name in ctx.param_names.items() if i < len(self.placeholders)}
+        device = next(
+            (v.device for n in self.placeholders for v in tensor_values(node_value(n)) if v.is_floating_point()),
+            torch.device("cpu"),
+        )
+        self.policy = POLICIES[policy_name](device)
+        self.original = {n: node_value(n) for n in self.graph.nodes}
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+        self.rules: Counter[str] = Counter()
+        self.requests = 0
+        self.low_gathers = self._find_low_gathers()
+        self.dead_gathers: set[torch.fx.Node] = set()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def cast(self, src: torch.fx.Node, dtype: torch.dtype, reason: str) -> torch.fx.Node:
+        key = (src, dtype)
+        if key in self.casts:
+            return self.casts[key]
+        if src in self.low_gathers and dtype == self.low:
+            self.casts[key] = self._gather_low(src, reason)
+            return self.casts[key]
+        anchor = self.placeholders[-1] if src.op in ("placeholder", "get_attr") else src
+        with self.graph.inserting_after(anchor):
+            node = self.graph.call_function(aten._to_copy.default, (src,), {"dtype": dtype})
+        self.env[node] = set_fake_value(node, self.fake_mode)
+        meta = ds_meta(node)
+        meta.update(dtype=dtype, amp="cast", amp_cast={"reason": reason, "source": src.name})
+        if src in self.param_of:
+            meta["amp_param_cast"] = self.param_of[src]
+        for key_ in ("stack_trace", "nn_module_stack"):
+            if key_ in src.meta:
+                node.meta[key_] = src.meta[key_]
+        self.casts[key] = node
+        return node
+
+    def _find_low_gathers(self) -> set[torch.fx.Node]:
+        """ZeRO-3 gathers whose every user computes in the low precision: cast the shard, not the result."""
+        found = set()
+        for node in self.graph.nodes:
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload) and target.name() == _ZERO_GATHER and node.users:
+                if all(classify(user, self.policy) == "low" for user in node.users):
+                    found.add(node)
+        return found
+
+    def _gather_low(self, gather: torch.fx.Node, reason: str) -> torch.fx.Node:
+        """A second gather of the low-precision shard (half the bytes); the fp32 one dies."""
+        shard = gather.args[0]
+        low_shard = self.cast(shard, self.low, reason)
+        with self.graph.inserting_after(gather):
+            node = self.graph.call_function(gather.target, (low_shard, *gather.args[1:]), dict(gather.kwargs))
+        self.env[node] = set_fake_value(node, self.fake_mode)
+        ds_meta(node).update(dtype=self.low, amp="low", amp_gather_of=gather.name)
+        if shard in self.param_of:
+            ds_meta(low_shard)["amp_param_cast"] = self.param_of[shard]
+        self.dead_gathers.add(gather)
+        return node
+
+    def _float(self, arg: torch.fx.Node) -> torch.Tensor | None:
+        value = self.env.get(arg)
+        return value if isinstance(value, torch.Tensor) and value.is_floating_point() else None
+
+    def _target(self, rule: Rule, value: torch.Tensor, widest: torch.dtype | None) -> torch.dtype | None:
+        if value.dtype == torch.float64 and rule != "promote":
+            return None  # autocast never touches fp64
+        if rule == "low":
+            return self.low
+        if rule == "fp32":
+            return torch.float32 if value.dtype in (torch.float16, torch.bfloat16) else None
+        if rule == "promote":
+            return widest
+        return None
+
+    def _evaluate(self, node: torch.fx.Node) -> Any:
+        args = map_arg(node.args, lambda n: self.env[n])
+        kwargs = map_arg(node.kwargs, lambda n: self.env[n])
+        with self.fake_mode:
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return node.target(*args, **kwargs)
+
+    def _set_value(self, node: torch.fx.Node, value: Any) -> None:
+        self.env[node] = value
+        node.meta["val"] = value
+        if "example_value" in node.meta:
+            node.meta["example_value"] = value
+
+    def _restore(self, node: torch.fx.Node, reason: str) -> None:
+        """Give ``node`` back the input dtypes it was traced with."""
+
+        def back(arg: torch.fx.Node) -> torch.fx.Node:
+            old = self.original.get(arg)
+            now = self._float(arg)
+            if now is not None and isinstance(old, torch.Tensor) and old.dtype != now.dtype:
+                return self.cast(arg, old.dtype, reason)
+            return arg
+
+        node.args = map_arg(node.args, back)
+        node.kwargs = map_arg(node.kwargs, back)
+
+    def _changed(self, node: torch.fx.Node) -> bool:
+        return any(_signature(self.env[a]) != _signature(self.original.get(a)) for a in node.all_input_nodes)
+
+    # -- the walk --------------------------------------------------------------------------
+    def run(self) -> int:
+        inserted_before = len(self.casts)
+        for node in list(self.graph.nodes):
+            if node.op in ("placeholder", "get_attr"):
+                value = node_value(node)
+                if value is None and node.op == "get_attr":
+                    value = self.fake_mode.from_tensor(_fetch_attr(self.gm, str(node.target)))
+                    self.original[node] = value
+                self.env[node] = value
+                continue
+            if node.op == "output":
+                self._outputs(node)
+                continue
+            self._visit(node)
+        for gather in self.dead_gathers:
+            if not gather.users:
+                self.graph.erase_node(gather)
+        return len(self.casts) - inserted_before
+
+    def _visit(self, node: torch.fx.Node) -> None:
+        rule = classify(node, self.policy)
+        if rule == "opaque":
+            if self._changed(node):
+                log.info(
+                    "%s: '%s' (%s) is opaque to the cast policy; its inputs keep their traced dtypes",
+                    self.ctx.graph_name,
+                    node.name,
+                    node.target,
+                )
+                self._restore(node, "restore")
+            self.env[node] = self.original[node]
+            self.rules[rule] += 1
+            return
+        floats = [self._float(a) for a in node.all_input_nodes]
+        widest = None
+        if rule == "promote":
+            kinds = [v.dtype for v in floats if v is not None]
+            widest = kinds[0] if kinds else None
+            for d in kinds[1:]:
+                widest = torch.promote_types(widest, d)
+
+        def rewrite(arg: torch.fx.Node) -> torch.fx.Node:
+            value = self._float(arg)
+            if value is None:
+                return arg
+            target = self._target(rule, value, widest)
+            if target is None or target == value.dtype:
+                return arg
+            self.requests += 1
+            return self.cast(arg, target, rule)
+
+        node.args = map_arg(node.args, rewrite)
+        node.kwargs = map_arg(node.kwargs, rewrite)
+        self.rules[rule] += 1
+        if not self._changed(node):
+            self.env[node] = self.original[node]
+        else:
+            try:
+                self._set_value(node, self._evaluate(node))
+            except Exception as exc:  # an op that cannot take the new dtypes: give it the old ones
+                log.info(
+                    "%s: '%s' cannot run on the new input dtypes (%s); casting its inputs back",
+                    self.ctx.graph_name,
+                    node.name,
+                    exc,
+                )
+                self._restore(node, "restore")
+                self._set_value(node, self._evaluate(node))
+        value = self.env[node]
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            ds_meta(node).update(dtype=value.dtype, amp=rule)
+
+    def _outputs(self, node: torch.fx.Node) -> None:
+        def back(arg: torch.fx.Node) -> torch.fx.Node:
+            old, now = self.original.get(arg), self._float(arg)
+            if now is not None and isinstance(old, torch.Tensor) and old.dtype != now.dtype:
+                with self.graph.inserting_before(node):
+                    return self.cast(arg, old.dtype, "output")
+            return arg
+
+        node.args = map_arg(node.args, back)
+
+
+# --------------------------------------------------------------------------------------------
+# the pass
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AmpOptions:
+    dtype: Literal["bf16", "fp16"] = field(default="bf16", metadata={"help": "low precision: bf16 | fp16"})
+    policy: Literal["default", "autocast"] = field(
+        default="default",
+        metadata={"help": "default: norms/softmax/losses in fp32 everywhere; autocast: torch.autocast's lists for the device"},
+    )
+    cleanup: bool = field(default=True, metadata={"help": "fold redundant casts"})
+
+
+def _has_user_autocast(gm: torch.fx.GraphModule) -> bool:
+    names = {"_enter_autocast", "_exit_autocast"}
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in names for n in gm.graph.nodes)
+
+
+def _annotate_aot_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = {placeholders[i]: name for i, name in ctx.param_names.items() if i < len(placeholders)}
+    for node in gm.graph.nodes:
+        dtype = _dtype(node)
+        if dtype is not None and dtype.is_floating_point and node.op != "output":
+            ds_meta(node)["dtype"] = dtype
+        found = cast_source(node)
+        if found is not None:
+            ds_meta(node)["amp"] = "cast"
+            if found[0] in params:
+                ds_meta(node)["amp_param_cast"] = params[found[0]]
+
+
+@register_pass("amp", graphs=("pre_autograd", "forward", "backward"), options=AmpOptions)
+def amp_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: AmpOptions) -> torch.fx.GraphModule:
+    """Give each op its compute dtype (low precision for matmuls, fp32 for sensitive ops) and fold redundant casts."""
+    low = LOW_DTYPES[options.dtype]
+    stats: dict[str, Any] = {"dtype": options.dtype, "policy": options.policy, "casts_inserted": 0}
+    stats["casts_in_input"] = count_casts(gm)
+    if ctx.graph_kind == "pre_autograd":
+        if fake_mode_of(gm) is None:
+            log.warning("%s: graph has no fake values; left unchanged (amp needs a Dynamo-captured graph)", ctx.graph_name)
+            return gm
+        if _has_user_autocast(gm):
+            log.warning("%s: the model already uses torch.autocast; amp leaves this graph unchanged", ctx.graph_name)
+            return gm
+        inserter = _CastInserter(gm, ctx, low, options.policy)
+        stats["casts_inserted"] = inserter.run()
+        stats["casts_requested"] = inserter.requests
+        stats["ops_by_rule"] = dict(inserter.rules)
+    else:
+        _annotate_aot_graph(gm, ctx)
+    stats["casts_before_cleanup"] = count_casts(gm)
+    removed = fold_casts(gm) if options.cleanup else 0
+    stats["casts_removed"] = removed
+    stats["casts_after_cleanup"] = count_casts(gm)
+    ctx.analysis.setdefault("amp", {})[ctx.graph_name] = stats
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    ds_meta(output)["amp"] = {k: v for k, v in stats.items() if k != "ops_by_rule"}
+    log.info("%s: %s casts before cleanup, %s after", ctx.graph_name, stats["casts_before_cleanup"], stats["casts_after_cleanup"])
+    gm.recompile()
+    return gm
