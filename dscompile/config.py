@@ -152,11 +152,7 @@ def _declare_unbuilt(key: str, capability: str, is_disabled: Callable[[Any], boo
 
 # DeepSpeed sections whose capabilities are not built yet. Present and enabled -> refused.
 for _key, _capability in {
-    "fp16": "fp16 mixed precision",
-    "bf16": "bf16 mixed precision",
     "amp": "apex AMP",
-    "activation_checkpointing": "activation checkpointing",
-    "sparse_attention": "sparse attention",
     "tensor_parallel": "tensor parallelism",
     "compression_training": "compression training",
     "quantize_training": "quantized training",

@@ -1,0 +1,678 @@
+"""Activation checkpointing on the joint graph: choose what forward saves and what backward recomputes.
+
+The decision is a minimum cut on the joint forward/backward graph (networkx), in the shape of
+AOTAutograd's rematerialisation partitioner but with our objective: every forward value ``v``
+is split into ``v_in -> v_out``; cutting that edge means *save v* (cost: its bytes), and a
+``source -> v_in`` edge of capacity ``lam * flops(v)`` is cut when backward *recomputes v*.
+One cut minimises ``saved bytes + lam * recompute FLOPs`` exactly; sweeping ``lam`` walks the
+lower convex hull of the (saved bytes, recompute FLOPs) Pareto front, and a bisection on
+``lam`` finds the cheapest recompute set whose saved bytes meet a budget.
+
+Policies: ``none`` (no decisions, only measurement), ``full`` (inside each block only block
+inputs may be saved), ``selective`` (outputs of compute-intensive ops may not be recomputed;
+everything else is recomputed where that saves memory), ``budget`` (keep at most
+``memory_budget`` of the no-recompute saved bytes, at the least recompute cost).
+
+Decisions reach AOTAutograd's min-cut partitioner as ``node.meta["recompute"]``
+(``CheckpointPolicy.MUST_SAVE`` / ``MUST_RECOMPUTE``) on every forward node, which pins its cut
+to ours; recomputed random ops are replayed from the forward's RNG state by the partitioner's
+RNG functionalisation. ``ac_graph_id`` is deliberately not set: it would make the partitioner
+override our tags at region boundaries. Functional collectives (and their ``wait_tensor``) are
+never recomputed unless a pass marks them ``node.meta["dscompile"]["recomputable"] = True``
+(ZeRO-3's parameter all-gathers should), in which case they are priced like any other node.
+
+The partition function this pass installs (``ctx.analysis["partition_fn"]``) runs the
+partitioner, measures what the forward really hands to backward, applies
+``cpu_checkpointing``, and records the result in ``ctx.analysis["checkpointing"]``, in
+``checkpoint_reports()`` and, with a dump directory, in ``<dump>/<graph>.joint/checkpointing.json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import operator
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from dscompile.config import parse_dataclass, register_section
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.graph import ds_meta, is_collective, node_value, set_fake_value, tensor_values
+from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
+
+log = logging.getLogger("dscompile.passes.checkpoint")
+
+Policy = Literal["none", "full", "selective", "budget"]
+
+# ---------------------------------------------------------------------------------------------
+# Config: DeepSpeed's ``activation_checkpointing`` section plus policy and memory_budget.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: DeepSpeed's keys keep their meaning where a compiler can honour them.
+
+    ``policy`` defaults to ``budget`` when ``memory_budget`` is given and to ``full`` otherwise
+    (a DeepSpeed user who configures checkpointing checkpoints every block).
+    ``number_checkpoints`` groups consecutive blocks into that many checkpointed segments
+    (or, for a model without repeated blocks, cuts its forward into that many segments).
+    """
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    policy: Policy | None = None
+    memory_budget: float | None = None
+
+    def validate(self, path: str) -> None:
+        if self.memory_budget is not None and not 0.0 <= self.memory_budget <= 1.0:
+            raise DSCompileConfigError(f"{path}.memory_budget", f"must be between 0 and 1, got {self.memory_budget}")
+        if self.policy is None:
+            self.policy = "budget" if self.memory_budget is not None else "full"
+        if self.policy == "budget" and self.memory_budget is None:
+            raise DSCompileConfigError(f"{path}.memory_budget", "policy 'budget' needs a memory_budget", "set e.g. \"memory_budget\": 0.5")
+        if self.policy != "budget" and self.memory_budget is not None:
+            raise DSCompileConfigError(
+                f"{path}.memory_budget", f"is only used by policy 'budget', but policy is {self.policy!r}", "drop memory_budget or set policy to 'budget'"
+            )
+        if self.number_checkpoints is not None and self.number_checkpoints <= 0:
+            raise DSCompileConfigError(f"{path}.number_checkpoints", f"must be positive, got {self.number_checkpoints}")
+        if self.contiguous_memory_optimization:
+            # DeepSpeed copies checkpoints into one preallocated buffer; not built here.
+            raise DSCompileNotSupportedError(f"{path}.contiguous_memory_optimization", "contiguous checkpoint buffers")
+
+
+def _parse_section(value: Any, path: str) -> ActivationCheckpointingConfig:
+    return parse_dataclass(ActivationCheckpointingConfig, value, path)
+
+
+register_section("activation_checkpointing", _parse_section, "activation checkpointing")
+
+
+@register_config_rule(30, "checkpointing")
+def _checkpointing_rule(config: Any) -> list[Any]:
+    section = config.sections.get("activation_checkpointing")
+    if section is None:
+        return []
+    return [
+        invocation(
+            "checkpoint",
+            policy=section.policy,
+            budget=section.memory_budget,
+            number_checkpoints=section.number_checkpoints or 0,
+            cpu_offload=section.cpu_checkpointing,
+            partition_activations=section.partition_activations,
+            profile=section.profile,
+            synchronize_boundary=section.synchronize_checkpoint_boundary,
+        )
+    ]
+
+
+@dataclass
+class CheckpointOptions:
+    policy: Literal["auto", "none", "full", "selective", "budget"] = field(
+        default="auto", metadata={"help": "auto: budget when budget is given, else full"}
+    )
+    budget: float | None = field(default=None, metadata={"help": "fraction (0..1) of the no-recompute saved bytes to keep"})
+    number_checkpoints: int = field(default=0, metadata={"help": "segments for policy full (0: one per block)"})
+    cpu_offload: bool = field(default=False, metadata={"help": "move saved activations to host memory"})
+    partition_activations: bool = field(default=False, metadata={"help": "shard saved activations across ranks"})
+    profile: bool = field(default=False, metadata={"help": "log the decision of every graph at INFO"})
+    synchronize_boundary: bool = field(default=False, metadata={"help": "DeepSpeed's synchronize_checkpoint_boundary (no effect)"})
+
+    def resolved_policy(self) -> str:
+        if self.policy == "auto":
+            return "budget" if self.budget is not None else "full"
+        return self.policy
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and not 0.0 <= self.budget <= 1.0:
+            raise ValueError(f"budget must be between 0 and 1, got {self.budget}")
+        if self.policy == "budget" and self.budget is None:
+            raise ValueError("policy=budget needs budget=<0..1>")
+
+
+# ---------------------------------------------------------------------------------------------
+# The joint graph as the solver sees it.
+# ---------------------------------------------------------------------------------------------
+
+_BLOCK_PATH = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+_OPS = None
+
+
+def _op_types() -> Any:
+    global _OPS
+    if _OPS is None:
+        from torch._functorch.partitioners import get_default_op_list
+
+        _OPS = get_default_op_list()
+    return _OPS
+
+
+def _is_tangent(node: torch.fx.Node) -> bool:
+    return node.op == "placeholder" and ("tangents" in str(node.target) or "bwd_seed" in str(node.target) or "bwd_base_offset" in str(node.target))
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+@dataclass
+class JointInfo:
+    """Forward/backward split of a joint graph with sizes and FLOPs at the shape hints."""
+
+    forward: list[torch.fx.Node]  # call_function nodes computable from primals alone
+    backward: set[torch.fx.Node]
+    primals: list[torch.fx.Node]
+    required_fw: set[torch.fx.Node]  # needed for the user outputs (recomputing them costs)
+    needed_by_bw: set[torch.fx.Node]  # forward nodes some backward node depends on
+    size: dict[torch.fx.Node, float]  # bytes if saved (math.inf: cannot be saved)
+    flops: dict[torch.fx.Node, int]
+    banned: dict[torch.fx.Node, str]  # never recomputed, with the reason
+    rng_state_bytes: int
+
+
+def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
+    from dscompile.cost import _shape_hints, evaluate, nbytes, node_cost
+
+    hints = _shape_hints(gm)
+    nodes = list(gm.graph.nodes)
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    backward: set[torch.fx.Node] = set()
+    for node in nodes:
+        if node.op == "output":
+            continue
+        if _is_tangent(node) or node.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    primals = [n for n in nodes if n.op == "placeholder" and n not in backward]
+    forward = [n for n in nodes if n.op == "call_function" and n not in backward]
+    fw_outputs = [a for a in output.args[0][:num_fwd_outputs] if isinstance(a, torch.fx.Node)]
+    required_fw = _ancestors(fw_outputs, stop=backward)
+    needed_by_bw: set[torch.fx.Node] = set()
+    for node in backward:
+        needed_by_bw |= _ancestors([a for a in node.all_input_nodes if a not in backward], stop=backward)
+    ops = _op_types()
+    size: dict[torch.fx.Node, float] = {}
+    flops: dict[torch.fx.Node, int] = {}
+    banned: dict[torch.fx.Node, str] = {}
+    for node in primals + forward:
+        value = node_value(node)
+        if node.op == "placeholder":
+            size[node] = 0.0  # inputs and parameters are alive anyway
+            flops[node] = 0
+            continue
+        if isinstance(value, torch.Tensor):
+            size[node] = float(evaluate(nbytes(value), hints))
+        elif isinstance(value, (torch.SymInt, int, float, bool)):
+            size[node] = 0.0
+        else:
+            size[node] = math.inf  # tuples: their getitems are what gets saved
+        flops[node] = 0 if ops.is_view(node) else evaluate(node_cost(node).flops, hints)
+        reason = _ban_reason(node)
+        if reason:
+            banned[node] = reason
+    return JointInfo(forward, backward, primals, required_fw, needed_by_bw, size, flops, banned, _rng_state_bytes(forward))
+
+
+def _ancestors(start: Iterable[torch.fx.Node], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = [n for n in start if n not in stop]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(a for a in node.all_input_nodes if a not in stop and a not in seen)
+    return seen
+
+
+def _ban_reason(node: torch.fx.Node) -> str | None:
+    target = node.target
+    if is_collective(node):
+        return None if ds_meta(node).get("recomputable") else "collective not marked recomputable"
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        return "mutates its input"
+    if node.is_impure() and not _is_random(node):
+        return "impure"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return "higher-order op"
+    return None
+
+
+def _rng_state_bytes(forward: list[torch.fx.Node]) -> int:
+    """What the partitioner saves per replayed random op: the generator state of its device."""
+    for node in forward:
+        if _is_random(node):
+            for t in tensor_values(node_value(node)):
+                return 16 if t.device.type == "cuda" else torch.get_rng_state().numel()
+    return 0
+
+
+def block_of(node: torch.fx.Node) -> str | None:
+    """The repeated block (``<...>.<index>`` module path) a node was traced in, if any."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    for path, _type in stack.values():
+        match = _BLOCK_PATH.match(str(path))
+        if match:
+            return match.group(1)
+    return None
+
+
+def segments(info: JointInfo, number_checkpoints: int = 0) -> dict[torch.fx.Node, int]:
+    """Checkpoint segment of each forward node (-1: outside every segment, saved as usual).
+
+    Segments are the model's repeated blocks, grouped into ``number_checkpoints`` runs when
+    given; a model without repeated blocks is one segment, or ``number_checkpoints`` runs of
+    roughly equal FLOPs.
+    """
+    blocks: list[str] = []
+    block_index: dict[torch.fx.Node, int] = {}
+    for node in info.forward:
+        name = block_of(node)
+        if name is None:
+            continue
+        if name not in blocks:
+            blocks.append(name)
+        block_index[node] = blocks.index(name)
+    if blocks:
+        groups = number_checkpoints if 0 < number_checkpoints < len(blocks) else len(blocks)
+        return {n: (block_index[n] * groups) // len(blocks) if n in block_index else -1 for n in info.forward}
+    groups = max(1, number_checkpoints)
+    total = sum(info.flops[n] for n in info.forward) or 1
+    result, running = {}, 0
+    for node in info.forward:
+        result[node] = min(groups - 1, (running * groups) // total)
+        running += info.flops[node]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The min cut.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cut:
+    saved: set[torch.fx.Node]
+    recomputed: set[torch.fx.Node]
+    saved_bytes: float
+    recompute_flops: int
+    rng_replays: int
+
+
+class CutSolver:
+    """Builds the flow network once; ``solve(lam)`` prices recomputation at ``lam`` bytes per FLOP."""
+
+    def __init__(self, info: JointInfo, *, may_save: Callable[[torch.fx.Node], bool] | None = None,
+                 extra_banned: Iterable[torch.fx.Node] = ()) -> None:
+        import networkx as nx
+
+        self.info = info
+        self.banned = set(info.banned) | set(extra_banned)
+        graph = nx.DiGraph()
+        graph.add_node("source")
+        graph.add_node("sink")
+        for node in info.backward:
+            graph.add_edge(f"{node.name}_in", "sink", capacity=math.inf)
+        for node in info.primals + info.forward:
+            node_in, node_out = f"{node.name}_in", f"{node.name}_out"
+            size = info.size[node]
+            if may_save is not None and node.op != "placeholder" and not may_save(node) and node not in self.banned:
+                size = math.inf
+            graph.add_edge(node_in, node_out, capacity=size)
+            for user in node.users:
+                if user.op != "output":
+                    graph.add_edge(node_out, f"{user.name}_in", capacity=math.inf)
+        self.graph = graph
+        self.nx = nx
+
+    def recompute_price(self, node: torch.fx.Node, lam: float) -> float:
+        """Bytes-equivalent cost of recomputing ``node`` in backward."""
+        if node.op == "placeholder" or node in self.banned:
+            return math.inf
+        if node not in self.info.required_fw:
+            return 0.0  # computed once either way: in backward instead of forward
+        price = lam * self.info.flops[node] + 1e-3 * (1 + self.info.flops[node])  # tie-break: recompute less
+        if _is_random(node):
+            price += self.info.rng_state_bytes
+        return price
+
+    def solve(self, lam: float) -> Cut:
+        graph = self.graph
+        for node in self.info.primals + self.info.forward:
+            price = self.recompute_price(node, lam)
+            if price > 0:
+                graph.add_edge("source", f"{node.name}_in", capacity=price)
+            elif graph.has_edge("source", f"{node.name}_in"):
+                graph.remove_edge("source", f"{node.name}_in")
+        _value, (reachable, _rest) = self.nx.minimum_cut(graph, "source", "sink")
+        saved, recomputed = set(), set()
+        for node in self.info.primals + self.info.forward:
+            node_in, node_out = f"{node.name}_in", f"{node.name}_out"
+            if node_in in reachable and node_out not in reachable:
+                saved.add(node)
+            elif node_in not in reachable and node.op != "placeholder":
+                recomputed.add(node)
+        # Recomputing something backward never uses is pointless (and would force its inputs).
+        recomputed &= self.info.needed_by_bw
+        saved_bytes = sum(self.info.size[n] for n in saved)
+        replays = sum(1 for n in recomputed if _is_random(n) and n in self.info.required_fw)
+        flops = sum(self.info.flops[n] for n in recomputed if n in self.info.required_fw)
+        return Cut(saved, recomputed, saved_bytes + replays * self.info.rng_state_bytes, flops, replays)
+
+
+def solve_budget(info: JointInfo, budget: float) -> tuple[Cut, Cut]:
+    """The cheapest-recompute cut whose saved bytes are at most ``budget`` x the no-recompute bytes.
+
+    Returns (chosen cut, baseline cut). Bisection on ``lam`` in log space: saved bytes fall
+    monotonically as ``lam`` (the price of a FLOP) falls.
+    """
+    solver = CutSolver(info)
+    baseline = solver.solve(math.inf)
+    target = budget * baseline.saved_bytes
+    if baseline.saved_bytes <= target:
+        return baseline, baseline
+    total_flops = max(1, sum(info.flops[n] for n in info.forward))
+    scale = max(1.0, baseline.saved_bytes) / total_flops
+    low, high = math.log(scale * 1e-6), math.log(scale * 1e6)
+    best = solver.solve(0.0)
+    if best.saved_bytes > target:
+        log.info("budget %.2f is below what recomputing everything recomputable reaches (%.0f of %.0f bytes); using that",
+                 budget, best.saved_bytes, baseline.saved_bytes)
+        return best, baseline
+    for _ in range(24):
+        mid = (low + high) / 2
+        cut = solver.solve(math.exp(mid))
+        if cut.saved_bytes <= target:
+            low = mid
+            if cut.recompute_flops <= best.recompute_flops:
+                best = cut
+        else:
+            high = mid
+        if high - low < 0.05:
+            break
+    return _refine(solver, math.exp(low), best, target), baseline
+
+
+def _refine(solver: CutSolver, lam: float, cut: Cut, target: float, limit: int = 48) -> Cut:
+    """Knapsack-style step between two hull points: forbid recomputing the costliest recomputed
+    nodes one at a time, keeping each ban that still meets the budget and lowers recompute FLOPs."""
+    candidates = sorted((n for n in cut.recomputed if solver.info.flops[n] > 0 and n in solver.info.required_fw),
+                        key=lambda n: -solver.info.flops[n])[:limit]
+    for node in candidates:
+        if node in solver.banned:
+            continue
+        solver.banned.add(node)
+        trial = solver.solve(lam)
+        if trial.saved_bytes <= target and trial.recompute_flops < cut.recompute_flops:
+            cut = trial
+        else:
+            solver.banned.discard(node)
+    return cut
+
+
+@dataclass
+class Plan:
+    policy: str
+    budget: float | None
+    cut: Cut | None
+    baseline: Cut | None
+    notes: list[str] = field(default_factory=list)
+    forward: list[torch.fx.Node] = field(default_factory=list, repr=False)
+    boundary: list[str] | None = None  # policy full: the segment inputs, the only values it may save
+
+    def summary(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"policy": self.policy, "memory_budget": self.budget, "notes": self.notes}
+        if self.baseline is not None:
+            data["baseline_saved_bytes"] = int(self.baseline.saved_bytes)
+        if self.cut is not None:
+            data["predicted_saved_bytes"] = int(self.cut.saved_bytes)
+            data["predicted_recompute_flops"] = int(self.cut.recompute_flops)
+            data["predicted_saved"] = sorted(n.name for n in self.cut.saved if n.op != "placeholder")
+            data["recomputed"] = sorted(n.name for n in self.cut.recomputed)
+            data["rng_replays"] = self.cut.rng_replays
+        if self.boundary is not None:
+            data["boundary"] = self.boundary
+        return data
+
+
+def plan_checkpointing(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CheckpointOptions) -> Plan:
+    policy = options.resolved_policy()
+    if policy == "none":
+        return Plan(policy, None, None, None)
+    info = analyse_joint(gm, num_fwd_outputs)
+    baseline = CutSolver(info).solve(math.inf)
+    if policy == "budget":
+        assert options.budget is not None
+        cut, baseline = solve_budget(info, options.budget)
+        return Plan(policy, options.budget, cut, baseline, forward=info.forward)
+    if policy == "selective":
+        ops = _op_types()
+        expensive = [n for n in info.forward if ops.is_compute_intensive(n) or "attention" in str(n.target)]
+        cut = CutSolver(info, extra_banned=expensive).solve(0.0)
+        return Plan(policy, None, cut, baseline, forward=info.forward)
+    # full: inside a segment only the segment's inputs may be saved.
+    seg = segments(info, options.number_checkpoints)
+    boundary = {n for n in info.forward if seg[n] >= 0 and any(u in seg and seg[u] != seg[n] for u in n.users)}
+    outside = [n for n in info.forward if seg[n] < 0]
+
+    def may_save(node: torch.fx.Node) -> bool:
+        if seg.get(node, -1) < 0 or node in boundary:
+            return True
+        # getitems of an op that may not be recomputed must be saved
+        return node.target is operator.getitem and node.args[0] in info.banned
+
+    cut = CutSolver(info, may_save=may_save, extra_banned=[*outside, *boundary]).solve(0.0)
+    notes = [f"{len(set(v for v in seg.values() if v >= 0))} segments"]
+    plan = Plan(policy, None, cut, baseline, notes, forward=info.forward)
+    plan.boundary = sorted(n.name for n in boundary)
+    return plan
+
+
+def apply_plan(gm: torch.fx.GraphModule, plan: Plan) -> None:
+    """Tag every forward node so the partitioner reproduces the plan's cut."""
+    assert plan.cut is not None
+    cut = plan.cut
+    for node in plan.forward:
+        value = node_value(node)
+        if not isinstance(value, (torch.Tensor, tuple, list)):
+            continue  # symbolic sizes: the partitioner handles them
+        if node in cut.recomputed:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            ds_meta(node)["checkpoint"] = "recompute"
+        else:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            ds_meta(node)["checkpoint"] = "save" if node in cut.saved else "forward"
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement after partitioning.
+# ---------------------------------------------------------------------------------------------
+
+_REPORTS: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
+_LOGGED_ONCE: set[str] = set()
+
+
+def checkpoint_reports() -> list[dict[str, Any]]:
+    """The measured report of every graph partitioned by this pass, oldest first (for tests, benchmarks, notebooks)."""
+    return list(_REPORTS)
+
+
+def clear_reports() -> None:
+    _REPORTS.clear()
+
+
+def _log_once(key: str, message: str, *args: Any) -> None:
+    if key not in _LOGGED_ONCE:
+        _LOGGED_ONCE.add(key)
+        log.warning(message, *args)
+
+
+def measure_partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> dict[str, Any]:
+    """Saved-activation bytes (forward outputs beyond the user outputs that are not graph inputs or
+    views of them) and recompute FLOPs (backward nodes that also run in forward)."""
+    from torch.utils.flop_counter import flop_registry
+
+    from dscompile.cost import _shape_hints, evaluate, nbytes, node_cost
+    from dscompile.runtime.activation_offload import saved_outputs
+
+    hints = _shape_hints(fw)
+    ops = _op_types()
+    saved = saved_outputs(fw, num_fwd_outputs)
+    activations, inputs, rng = [], [], []
+    for node in saved:
+        value = node_value(node)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if _aliases_input(node, ops):
+            inputs.append(node)
+        elif "rng_state" in node.name or (node.target is operator.getitem and "run_and_save_rng" in str(node.args[0].target)):
+            rng.append(node)
+        else:
+            activations.append(node)
+
+    def total(nodes: list[torch.fx.Node]) -> int:
+        return sum(evaluate(nbytes(node_value(n)), hints) for n in nodes)
+
+    fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    bw_hints = _shape_hints(bw)
+    recompute_flops = matmul_flops = 0
+    recomputed = []
+    for node in bw.graph.nodes:
+        if node.op == "call_function" and (node.name in fw_names or str(node.target).endswith("run_with_rng_state")):
+            recomputed.append(node.name)
+            if not ops.is_view(node):
+                flops = evaluate(node_cost(node).flops, bw_hints)
+                recompute_flops += flops
+                if getattr(node.target, "overloadpacket", None) in flop_registry:
+                    matmul_flops += flops
+    return {
+        "saved": [n.name for n in activations],
+        "saved_bytes": total(activations) + total(rng),
+        "activation_bytes": total(activations),
+        "rng_state_bytes": total(rng),
+        "saved_input_bytes": total(inputs),
+        "recompute_flops": recompute_flops,
+        "recompute_matmul_flops": matmul_flops,  # the ops torch's FlopCounterMode counts
+        "recomputed_nodes": len(recomputed),
+        "forward_flops": sum(evaluate(node_cost(n).flops, hints) for n in fw.graph.nodes if n.op == "call_function"),
+    }
+
+
+def _aliases_input(node: torch.fx.Node, ops: Any) -> bool:
+    while node.op == "call_function" and ops.is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions) -> Callable[..., Any]:
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> Any:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        for module in (fw, bw):
+            _fill_missing_values(module)
+        report = {"graph": ctx.graph_name, **plan.summary(), **measure_partition(fw, bw, num_fwd_outputs)}
+        joint_nodes = {n.name: n for n in joint.graph.nodes}
+        report["saved_block"] = {name: block_of(joint_nodes[name]) if name in joint_nodes else None for name in report["saved"]}
+        if options.cpu_offload:
+            report["offloaded"] = _offload(fw, bw, num_fwd_outputs, report["saved"])
+        _record(ctx, report, options)
+        return fw, bw
+
+    return partition
+
+
+def _fill_missing_values(gm: torch.fx.GraphModule) -> None:
+    """The partitioner's RNG functionalisation adds nodes without ``meta["val"]``; give them one."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode([node_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "val" not in node.meta:
+            set_fake_value(node, fake_mode)
+
+
+def _offload(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int, names: list[str]) -> list[str]:
+    from dscompile.runtime.activation_offload import offload_saved_activations
+
+    moved = offload_saved_activations(fw, bw, num_fwd_outputs, names)
+    if not moved and names:
+        _log_once("cpu_offload_cpu", "cpu_checkpointing: saved activations already live in host memory (CPU run); nothing to move")
+    return moved
+
+
+def _record(ctx: PassContext, report: dict[str, Any], options: CheckpointOptions) -> None:
+    ctx.analysis.setdefault("checkpointing", {})[ctx.graph_name] = report
+    _REPORTS.append(report)
+    dump = getattr(ctx.config, "dump", None)
+    if dump:
+        directory = Path(dump) / ctx.graph_name
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "checkpointing.json").write_text(json.dumps(report, indent=2, default=str))
+    level = logging.INFO if options.profile else logging.DEBUG
+    log.log(level, "%s: policy %s saves %d bytes (baseline %s), recomputes %d FLOPs", ctx.graph_name, report["policy"],
+            report["saved_bytes"], report.get("baseline_saved_bytes", "-"), report["recompute_flops"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass.
+# ---------------------------------------------------------------------------------------------
+
+
+@register_pass("checkpoint", graphs=("joint",), options=CheckpointOptions)
+def checkpoint(gm: torch.fx.GraphModule, ctx: PassContext, options: CheckpointOptions) -> torch.fx.GraphModule:
+    """Decide per forward node whether backward gets it saved or recomputes it (policy none|full|selective|budget)."""
+    if options is None:
+        options = CheckpointOptions()
+    if options.partition_activations and ctx.world_size > 1:
+        raise DSCompileNotSupportedError("activation_checkpointing.partition_activations", "sharding saved activations across ranks")
+    if options.partition_activations:
+        _log_once("partition_single", "partition_activations: a single rank holds all activations; nothing to shard")
+    if options.synchronize_boundary:
+        _log_once("sync_boundary", "synchronize_checkpoint_boundary has no effect: compiled graphs have no per-block boundaries to synchronise")
+    num_fwd_outputs = ctx.num_fwd_outputs
+    if num_fwd_outputs is None:
+        log.warning("%s: no forward-output count in the context; leaving the graph unchanged", ctx.graph_name)
+        return gm
+    try:
+        plan = plan_checkpointing(gm, num_fwd_outputs, options)
+    except Exception as exc:  # networkx unbounded flows, odd graphs: stay correct, say why
+        if isinstance(exc, DSCompileConfigError):
+            raise
+        log.warning("%s: cannot plan checkpointing (%s: %s); leaving the graph to the default partitioner",
+                    ctx.graph_name, type(exc).__name__, exc)
+        plan = Plan("none", None, None, None, [f"planning failed: {exc}"])
+    if plan.cut is not None:
+        apply_plan(gm, plan)
+        ctx.analysis["checkpointing_plan"] = plan.summary()
+    ctx.analysis["partition_fn"] = _make_partition_fn(ctx, plan, options)
+    return gm
+
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "CheckpointOptions",
+    "analyse_joint",
+    "checkpoint_reports",
+    "clear_reports",
+    "measure_partition",
+    "plan_checkpointing",
+    "solve_budget",
+]
