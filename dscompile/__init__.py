@@ -16,6 +16,7 @@ from dscompile.errors import (
     DSCompilePipelineError,
 )
 from dscompile.frontend import dscompile_backend
+from dscompile.runtime.pipeline_markers import pipeline_split
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,5 @@ __all__ = [
     "dscompile_backend",
     "initialize",
     "load_config",
+    "pipeline_split",
 ]
