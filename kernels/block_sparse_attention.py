@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from dscompile.kernels import layout_cache
+
 
 def build_lut(layout: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row and column look-up tables of a layout.
@@ -35,6 +37,11 @@ def build_lut(layout: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.T
     cols, col_count = table(lay)
     rows, row_count = table(lay.transpose(-1, -2))
     return cols, col_count, rows, row_count
+
+
+def cached_lut(layout: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``build_lut`` once per layout (and ``causal``): every later call with that layout reuses the tables."""
+    return layout_cache.cached("lut", layout, (causal,), lambda: build_lut(layout, causal))
 
 
 def _kernels() -> Any:
@@ -113,7 +120,7 @@ def block_sparse_attention_forward(
     in_dtype = q.dtype
     q, k, v = (_as_kernel_dtype(x) for x in (q, k, v))
     b, h, s, d = q.shape
-    cols, col_count, _, _ = lut if lut is not None else build_lut(layout.to(q.device), causal)
+    cols, col_count, _, _ = lut if lut is not None else cached_lut(layout_cache.on_device(layout, q.device), causal)
     out = torch.empty((b, h, s, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     bias_t, strides = _common(q, k, v, bias)
@@ -153,7 +160,7 @@ def block_sparse_attention_backward(
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, grad_out = (_as_kernel_dtype(x) for x in (q, k, v, grad_out))
     b, h, s, d = q.shape
-    cols, col_count, rows, row_count = lut if lut is not None else build_lut(layout.to(q.device), causal)
+    cols, col_count, rows, row_count = lut if lut is not None else cached_lut(layout_cache.on_device(layout, q.device), causal)
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     lse = lse.contiguous()
     dq = torch.empty((b, h, s, d), dtype=q.dtype, device=q.device)

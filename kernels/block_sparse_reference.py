@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dscompile.kernels import layout_cache
+
 
 @dataclass
 class _Blocks:
@@ -28,7 +30,11 @@ class _Blocks:
 
 
 def nonzero_blocks(layout: torch.Tensor, causal: bool) -> _Blocks:
-    """The layout's nonzero blocks (above-diagonal blocks dropped when causal)."""
+    """The layout's nonzero blocks (above-diagonal blocks dropped when causal), cached per layout."""
+    return layout_cache.cached("nonzero", layout, (causal,), lambda: _nonzero_blocks(layout, causal))
+
+
+def _nonzero_blocks(layout: torch.Tensor, causal: bool) -> _Blocks:
     lay = layout.bool()
     nb = lay.shape[-1]
     if causal:

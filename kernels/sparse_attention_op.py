@@ -9,7 +9,21 @@ implementations, picked by ``kernel``:
   nonzero blocks; the CPU default.
 - ``triton``: the Triton kernels (``block_sparse_attention``); the CUDA default.
 - ``flex``: PyTorch's FlexAttention with a ``BlockMask`` built from the same look-up table
-  (its backward recomputes the forward under autograd).
+  (its backward recomputes the forward under autograd; on CPU, where FlexAttention has no
+  backward, the reference computes the gradients).
+
+Why ``reference`` is the CPU default although FlexAttention's forward is faster there: a
+training step with ``flex`` on CPU is FlexAttention's forward *plus* the reference's forward
+(for the row log-sum-exp) and backward, so it is always slower than ``reference`` alone, and it
+compiles FlexAttention once per shape. Measured with bench/sparse_attention.py on the shared
+2-core development CPU, one thread (BigBird, 4 heads, head dim 64, block 64, fp32): a training
+step at 2k/4k/8k tokens takes 139/378/1477 ms with ``reference`` and 156/428/1694 ms with
+``flex``, whose first call at each new shape also compiles for 6-14 s (warm Inductor cache;
+29 s cold). FlexAttention's forward alone is faster (20/70/162 ms vs 46/153/593 ms), but
+inference-only use pays that compile per sequence length and, past Dynamo's recompile limit,
+falls back to unfused FlexAttention that builds the S x S scores; so on CPU ``flex`` is
+opt-in. On CUDA the Triton kernels are the default (no GPU run has measured them against
+flex yet; the benchmark does when a GPU is lent).
 
 Sequence lengths that are not a multiple of ``block`` are padded here (the padded keys are
 masked, the padded rows dropped); the pass logs when that happens.
@@ -23,14 +37,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from dscompile.kernels import block_sparse_reference as reference
 from torch import Tensor
+
+from dscompile.kernels import block_sparse_reference as reference
+from dscompile.kernels import layout_cache
 
 KERNELS = ("auto", "triton", "flex", "reference")
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``reference`` on CPU (the faster one measured by bench/sparse_attention.py)."""
+    """The implementation ``kernel`` names on ``device``: ``auto`` is ``triton`` on CUDA, ``reference`` elsewhere.
+
+    ``reference`` beats ``flex`` on CPU for a training step (see the module docstring for the figures).
+    """
     if kernel not in KERNELS:
         raise ValueError(f"unknown sparse-attention kernel {kernel!r}; use one of {', '.join(KERNELS)}")
     if kernel == "auto":
@@ -59,7 +78,7 @@ def _prepare(
             f"layout has shape {list(layout.shape)} but {h} heads and sequence length {s} with block {block} "
             f"need [{h}, {nb}, {nb}] (or [1, {nb}, {nb}])"
         )
-    layout = layout.to(q.device).expand(h, nb, nb)
+    layout = layout_cache.on_device(layout, q.device).expand(h, nb, nb)
     if bias is not None:
         while bias.dim() < 4:
             bias = bias.unsqueeze(0)
@@ -79,7 +98,8 @@ def layout_from_spec(sparsity: str, num_heads: int, seq_len: int, device: str = 
     from dscompile.sparsity import parse_sparse_attention
 
     config = parse_sparse_attention(json.loads(sparsity), "sparse_attention")
-    return config.sparsity_config(num_heads).make_layout(seq_len).to(device)
+    with torch.inference_mode(False):  # a normal tensor even when first asked for under inference_mode: cacheable
+        return config.sparsity_config(num_heads).make_layout(seq_len).to(device)
 
 
 def _resolve_layout(layout: Tensor | None, sparsity: str, q: Tensor) -> Tensor:
@@ -101,13 +121,20 @@ def _compiled_flex() -> Any:
 
 
 def flex_block_mask(layout: Tensor, block: int, seq_len: int, causal: bool, kv_len: int, batch: int = 1) -> Any:
-    """A FlexAttention ``BlockMask`` visiting exactly the layout's nonzero blocks.
+    """A FlexAttention ``BlockMask`` visiting exactly the layout's nonzero blocks (cached per layout)."""
+    build = lambda: _flex_block_mask(layout, block, seq_len, causal, kv_len, batch)
+    return layout_cache.cached("flex", layout, (block, seq_len, causal, kv_len, batch), build)
+
+
+def _flex_block_mask(layout: Tensor, block: int, seq_len: int, causal: bool, kv_len: int, batch: int) -> Any:
+    """Build the BlockMask of ``flex_block_mask``.
 
     Blocks wholly inside the causal triangle and the valid keys are "full" (no mask_mod
     evaluated); the diagonal blocks (causal) and the last, padded block are "partial".
     """
-    from dscompile.kernels.block_sparse_attention import build_lut
     from torch.nn.attention.flex_attention import BlockMask
+
+    from dscompile.kernels.block_sparse_attention import build_lut
 
     lay = layout.bool()
     nb = lay.shape[-1]

@@ -12,10 +12,15 @@ The explicit form comes in too many spellings for fixed FX patterns, so the matc
 on each softmax and walks its producer and consumer chains, normalising each spelling; a
 chain it cannot prove equivalent is left unchanged and logged. Each match becomes one
 ``dscompile::block_sparse_attention`` node whose layout (from the config's sparsity mode) is
-a buffer of the graph module. Causal masks stay causal flags; every other mask (boolean
-keep/drop or additive, e.g. key padding) becomes the op's additive bias, so it combines
-with the layout. ``mode=dense`` leaves attention as it is (dense attention is what the graph
-already computes), which keeps a dense-mode compile bit-identical to eager.
+named by its config. Causal masks become the op's ``causal`` flag, so blocks above the
+diagonal are never visited: ``is_causal=True``, and boolean masks the graph itself builds as
+the lower triangle of ones (``torch.ones(s, s).tril()``, sliced from the start, unsqueezed or
+cast; ``~`` of it, or ``triu(ones, 1)``, as a masked_fill's drop-mask; ``where(tril, 0, -inf)``
+as an additive one). A mask that arrives as a graph input (a buffer, an argument) cannot be
+proven causal from the graph, so it stays a bias, like every other mask (boolean keep/drop or
+additive, e.g. key padding); the bias combines with the layout. ``mode=dense`` leaves
+attention as it is (dense attention is what the graph already computes), which keeps a
+dense-mode compile bit-identical to eager.
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
-from dscompile.kernels.sparse_attention_op import layout_from_spec
 from torch._subclasses.fake_tensor import FakeTensor
 
 from dscompile.config import register_section
 from dscompile.graph import ds_meta, node_value, set_fake_value
+from dscompile.kernels.sparse_attention_op import layout_from_spec
 from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
 from dscompile.sparsity import SparseAttentionConfig, parse_sparse_attention
 
@@ -288,9 +293,9 @@ def find_attention(gm: torch.fx.GraphModule) -> tuple[list[AttentionMatch], list
     for node in gm.graph.nodes:
         try:
             if _is(node, _SDPA):
-                matches.append(_check_shapes(_match_sdpa(node)))
+                matches.append(_fold_causal(_check_shapes(_match_sdpa(node))))
             elif _is(node, _SOFTMAX_FNS, "softmax"):
-                matches.append(_check_shapes(_match_explicit(node)))
+                matches.append(_fold_causal(_check_shapes(_match_explicit(node))))
         except NoMatch as why:
             skipped.append((node, str(why)))
     return matches, skipped
@@ -317,6 +322,97 @@ def _check_shapes(m: AttentionMatch) -> AttentionMatch:
             torch.broadcast_shapes(value.shape, (q.shape[0], q.shape[1], q.shape[2], q.shape[2]))
         except RuntimeError:
             raise NoMatch(f"mask of shape {list(value.shape)} does not broadcast to the scores") from None
+    return m
+
+
+# ----------------------------------------------------------------------------- causal masks
+
+_TRIL_FNS, _TRIU_FNS = {torch.tril}, {torch.triu}
+_ONES_FNS = {torch.ones, torch.ones_like}
+_NOT_FNS = {operator.invert, torch.logical_not, torch.bitwise_not}
+_SHAPE_METHODS = {"unsqueeze", "view", "reshape", "expand", "bool", "to", "contiguous"}
+
+
+def _full_slice(index: Any) -> bool:
+    """``:``, ``:n``, ``0:n`` (step 1), ``None`` or ``...``: indexing that keeps a prefix square's origin."""
+    if index is None or index is Ellipsis:
+        return True
+    return isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1)
+
+
+def _same_last2(a: Any, b: Any) -> bool:
+    va, vb = (node_value(n) if isinstance(n, torch.fx.Node) else None for n in (a, b))
+    ok = isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() >= 2 and vb.dim() >= 2
+    return ok and tuple(va.shape[-2:]) == tuple(vb.shape[-2:])
+
+
+def _strip_views(node: Any) -> Any:
+    """Look through prefix slices, unsqueezes, views and casts that keep ``[i, j]`` at ``[..., i, j]``."""
+    while isinstance(node, torch.fx.Node):
+        if _is(node, {operator.getitem}) and isinstance(node.args[1], tuple) and all(map(_full_slice, node.args[1])):
+            node = node.args[0]
+        elif (_is(node, {torch.unsqueeze}, "unsqueeze") or (node.op == "call_method" and node.target in _SHAPE_METHODS)) and _same_last2(
+            node, node.args[0]
+        ):
+            node = node.args[0]
+        else:
+            return node
+    return node
+
+
+def _ones(node: Any) -> bool:
+    if _is(node, _ONES_FNS, "new_ones"):
+        return True
+    if _is(node, {torch.full}, "new_full"):
+        fill = _arg(node, 2 if node.op == "call_method" else 1, "fill_value")
+        return fill is True or (_constant(fill) == 1.0)
+    return False
+
+
+def _triangle(node: Any, fns: set[Any], method: str, diagonal: int) -> bool:
+    """``node`` is ``tril``/``triu`` (per ``fns``) of ones with the given diagonal."""
+    node = _strip_views(node)
+    if not _is(node, fns, method):
+        return False
+    return _arg(node, 1, "diagonal", 0) == diagonal and _ones(_strip_views(node.args[0]))
+
+
+def _square_mask(mask: torch.fx.Node, seq: int) -> bool:
+    value = node_value(mask)
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[-2:]) == (seq, seq)
+
+
+def is_causal_mask(mask: _Mask, seq: int) -> bool:
+    """Whether ``mask`` is provably the causal mask of ``seq`` x ``seq`` scores, from how the graph builds it."""
+    node = mask.tensor
+    if not _square_mask(node, seq):
+        return False
+    value = node_value(node)
+    if mask.kind == "keep":
+        return value.dtype == torch.bool and _triangle(node, _TRIL_FNS, "tril", 0)
+    if mask.kind == "drop":
+        inner = _strip_views(node)
+        if _is(inner, _NOT_FNS, "logical_not") or _is(inner, _NOT_FNS, "__invert__"):
+            return _triangle(inner.args[0], _TRIL_FNS, "tril", 0)
+        return _triangle(node, _TRIU_FNS, "triu", 1)
+    if mask.kind == "add":  # where(tril(ones), 0, -inf)
+        inner = _strip_views(node)
+        if not _is(inner, {torch.where}) or len(inner.args) != 3:
+            return False
+        keep, zero, fill = inner.args
+        low = _constant(fill)
+        return _constant(zero) == 0.0 and low is not None and low <= _MASK_FILL_LIMIT and _triangle(keep, _TRIL_FNS, "tril", 0)
+    return False
+
+
+def _fold_causal(m: AttentionMatch) -> AttentionMatch:
+    """Turn recognisably causal masks into ``causal=True`` so the op skips blocks above the diagonal."""
+    seq = node_value(m.q).shape[2]
+    causal = [mask for mask in m.masks if is_causal_mask(mask, seq)]
+    if causal:
+        log.info("attention at '%s': mask '%s' is the causal triangle; using causal=True", m.output.name, causal[0].tensor.name)
+        m.masks = [mask for mask in m.masks if mask not in causal]
+        m.causal = True
     return m
 
 
@@ -387,8 +483,12 @@ def _rewrite(gm: torch.fx.GraphModule, m: AttentionMatch, options: SparseAttenti
         want = node_value(m.output).dtype
         if out.meta["val"].dtype != want:
             out = _call(gm, torch.Tensor.to, (out, want))
+    visited = layout.bool() & torch.ones(layout.shape[-2:], dtype=torch.bool).tril() if m.causal else layout.bool()
     ds_meta(op)["sparse_attention"] = {"mode": options.mode, "block": options.block, "matched": m.kind,
-                                       "density": float(layout.float().mean())}  # fmt: skip
+                                       "causal": m.causal, "density": float(visited.float().mean())}  # fmt: skip
+    for node in (op, out):
+        if m.output.meta.get("stack_trace"):
+            node.meta["stack_trace"] = m.output.meta["stack_trace"]
     m.output.replace_all_uses_with(out)
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted(set(m.nodes), key=order.__getitem__, reverse=True):  # consumers before producers

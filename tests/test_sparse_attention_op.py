@@ -15,8 +15,8 @@ if not _TRITON_PREIMPORTED:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from dscompile.kernels.sparse_attention_op import block_sparse_attention  # noqa: E402
 
+from dscompile.kernels.sparse_attention_op import block_sparse_attention  # noqa: E402
 from dscompile.sparsity import (  # noqa: E402
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
@@ -216,3 +216,40 @@ def test_triton_rejects_small_blocks() -> None:
 @pytest.mark.slow
 def test_flex_matches_dense() -> None:
     _compare("flex", "bigbird", 64, causal=True, with_bias=True, tol=5e-5)
+
+
+# ----------------------------------------------------------------------------- layout caches
+
+
+def test_lut_is_cached_per_layout_and_rebuilt_after_inplace_change() -> None:
+    from dscompile.kernels import layout_cache
+    from dscompile.kernels.block_sparse_attention import build_lut, cached_lut
+
+    layout = LAYOUTS["bigbird"]().make_layout(64)
+    first = cached_lut(layout, causal=True)
+    assert cached_lut(layout, causal=True) is first  # same layout: the same tables, not rebuilt
+    assert cached_lut(layout.expand(H, -1, -1), causal=True) is first  # the op's expanded view of it hits too
+    assert cached_lut(layout, causal=False) is not first  # causal changes the tables
+    before = layout_cache.stats["misses"]
+    layout[0, 0, 3] = 1 - layout[0, 0, 3]  # an in-place write bumps the version: the entry is stale
+    rebuilt = cached_lut(layout, causal=False)
+    assert layout_cache.stats["misses"] == before + 1
+    for a, b in zip(rebuilt, build_lut(layout, causal=False), strict=True):
+        assert torch.equal(a, b)
+    other = layout.clone()  # equal contents, different tensor: its own entry
+    assert cached_lut(other, causal=False) is not rebuilt
+
+
+def test_op_reuses_the_layout_analysis_and_follows_inplace_changes() -> None:
+    from dscompile.kernels import layout_cache
+
+    seq = 64
+    layout = LAYOUTS["fixed"]().make_layout(seq)
+    q, k, v = (x.detach() for x in _inputs(seq))
+    call = lambda: block_sparse_attention(q, k, v, layout, None, None, BLOCK, 0.25, False, 0.0, "reference")[0]
+    call()
+    misses = layout_cache.stats["misses"]
+    call()
+    assert layout_cache.stats["misses"] == misses  # the second call built nothing
+    layout[:, :, 0] = 1 - layout[:, :, 0]  # change the layout in place: the op must see the new one
+    torch.testing.assert_close(call(), dense_attention(q, k, v, layout, 0.25), atol=2e-5, rtol=2e-5)

@@ -105,7 +105,6 @@ def test_compiled_sparse_matches_masked_eager(variant: str) -> None:
 def _capture(model: nn.Module, section: dict, x: torch.Tensor, pad: torch.Tensor) -> torch.fx.GraphModule:
     """Run the pass on the Dynamo graph directly and return the rewritten graph."""
     from dscompile.passes.sparse_attention import sparse_attention_pass
-
     from dscompile.pipeline import PassContext
 
     seen: list[torch.fx.GraphModule] = []
@@ -158,7 +157,6 @@ class WeightsReturned(nn.Module):
 def test_unmatched_attention_is_left_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     q, k, v = (torch.randn(1, 2, SEQ, 16) for _ in range(3))
     from dscompile.passes.sparse_attention import sparse_attention_pass
-
     from dscompile.pipeline import PassContext
 
     graphs = []
@@ -230,3 +228,85 @@ def test_textual_pipeline_and_dump(tmp_path) -> None:  # noqa: ANN001
     assert torch.isfinite(out).all()
     dumped = "\n".join(p.read_text(errors="ignore") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".py", ".txt"))
     assert "block_sparse_attention" in dumped
+
+
+class BuiltMask(nn.Module):
+    """Attention whose mask the forward builds itself (so the graph shows how), in a chosen spelling."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.layout_mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, HEADS, -1).transpose(1, 2) for y in self.qkv(x).split(DIM, -1))
+        ones = torch.ones(t, t, dtype=torch.bool, device=x.device)
+        extra = self.layout_mask[None] if self.layout_mask is not None else None
+        if self.variant == "sdpa_tril":
+            keep = ones.tril()[None, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep if extra is None else keep & extra)
+        elif self.variant == "sdpa_where_tril":
+            keep = torch.tril(ones)
+            bias = torch.where(keep if extra is None else keep & extra, 0.0, float("-inf"))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        elif self.variant in ("fill_not_tril", "fill_triu", "fill_tril_shifted"):
+            if self.variant == "fill_not_tril":
+                drop = ~ones.tril()
+            elif self.variant == "fill_triu":
+                drop = torch.triu(ones, diagonal=1)
+            else:
+                drop = ~ones.tril(diagonal=1)  # lets each query see one future key: not causal
+            if extra is not None:
+                drop = drop | ~extra
+            s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+            y = torch.softmax(s.masked_fill(drop, float("-inf")), dim=-1) @ v
+        else:
+            raise ValueError(self.variant)
+        return y.transpose(1, 2).reshape(b, t, DIM)
+
+
+CAUSAL_VARIANTS = ["sdpa_tril", "sdpa_where_tril", "fill_not_tril", "fill_triu"]
+
+
+def _op_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if "block_sparse_attention" in str(n.target))
+
+
+@pytest.mark.parametrize("variant", [*CAUSAL_VARIANTS, "fill_tril_shifted"])
+def test_causal_masks_built_in_the_graph_become_the_causal_flag(variant: str) -> None:
+    x, pad = _data()
+    gm = _capture(BuiltMask(variant), BIGBIRD, x, pad)
+    op = _op_node(gm)
+    bias, causal = op.args[4], op.args[8]
+    if variant in CAUSAL_VARIANTS:
+        assert causal is True and bias is None  # blocks above the diagonal are skipped, no bias is read
+        assert op.meta["dscompile"]["sparse_attention"]["causal"] is True
+    else:
+        assert causal is False and bias is not None  # not the causal triangle: kept as a bias
+
+
+def test_mask_from_a_buffer_stays_a_bias() -> None:
+    """A buffer's contents are not in the graph (and may change), so it cannot be folded into causal=True."""
+    x, pad = _data()
+    gm = _capture(TinyAttention("explicit_causal_pad"), BIGBIRD, x, pad)
+    op = _op_node(gm)
+    assert op.args[8] is False and op.args[4] is not None
+
+
+@pytest.mark.parametrize("variant", [*CAUSAL_VARIANTS, "fill_tril_shifted"])
+def test_folded_causal_matches_masked_eager(variant: str) -> None:
+    torch.manual_seed(0)
+    model = BuiltMask(variant)
+    ref = copy.deepcopy(model)
+    ref.layout_mask = layout_to_mask(parse_sparse_attention(BIGBIRD).sparsity_config(HEADS).make_layout(SEQ), BLOCK)
+    x, _ = _data()
+    compiled = _compile(model, BIGBIRD)
+    out = compiled(x)
+    out.square().sum().backward()
+    ref_out = ref(x)
+    ref_out.square().sum().backward()
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
