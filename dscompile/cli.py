@@ -184,6 +184,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_zero_to_fp32(args: argparse.Namespace) -> int:
+    from dscompile.runtime.zero_checkpoint import main as zero_to_fp32
+
+    return zero_to_fp32(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dscompile", description="DeepSpeed's optimizations as a torch.compile backend")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--lower", choices=("eager", "inductor", "triton"), default=None)
     demo.set_defaults(func=cmd_demo)
+    z2f = sub.add_parser("zero-to-fp32", help="consolidate ZeRO checkpoint shards into one fp32 state_dict: CKPT OUT [--tag TAG]")
+    z2f.add_argument("rest", nargs=argparse.REMAINDER)
+    z2f.set_defaults(func=cmd_zero_to_fp32)
     return parser
 
 

@@ -181,7 +181,6 @@ _declare_unbuilt(
 
 # Top-level scalar keys of DeepSpeed that only make sense with capabilities not built yet.
 _UNBUILT_FLAGS: dict[str, tuple[Any, str]] = {
-    "zero_allow_untested_optimizer": (False, "ZeRO optimization"),
     "zero_force_ds_cpu_optimizer": (False, "ZeRO-Offload"),
     "communication_data_type": (None, "mixed-precision communication"),
     "seq_parallel_communication_data_type": (None, "sequence parallelism"),
@@ -209,6 +208,7 @@ class DSConfig:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     memory_breakdown: bool = False
+    zero_allow_untested_optimizer: bool = False
     # dscompile's own keys
     lower: LowerName | None = None
     pipeline: str | None = None

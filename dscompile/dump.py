@@ -109,6 +109,8 @@ def to_dot(gm: torch.fx.GraphModule, title: str) -> str:
         elif "region" in meta:
             colour = _STAGE_COLOURS[hash(str(meta["region"])) % len(_STAGE_COLOURS)]
         label = f"{node.name}\\n{op_name(node)}"
+        if "param" in meta:
+            label += f"\\n{meta['param']}"
         value = describe_value(node_value(node))
         if value:
             label += f"\\n{value}"
@@ -146,10 +148,11 @@ class DumpStep:
 class Dumper:
     """Writes each graph before the first pass and after every pass, plus one HTML page per compile."""
 
-    def __init__(self, directory: str | Path, *, svg: bool = True) -> None:
+    def __init__(self, directory: str | Path, *, svg: bool = True, svg_max_nodes: int = 150) -> None:
         self.root = Path(directory)
         self.root.mkdir(parents=True, exist_ok=True)
         self.svg = svg
+        self.svg_max_nodes = svg_max_nodes
         self.steps: dict[str, list[DumpStep]] = {}
 
     def next_graph_name(self) -> str:
@@ -169,7 +172,8 @@ class Dumper:
         (directory / "nodes.txt").write_text(node_table(gm))
         dot_text = to_dot(gm, f"{ctx.graph_name} after {pass_name}")
         (directory / "graph.dot").write_text(dot_text)
-        svg = render_svg(dot_text) if self.svg else None
+        # Graphviz's layout time grows fast with size: big graphs get DOT only (render it yourself).
+        svg = render_svg(dot_text) if self.svg and len(gm.graph.nodes) <= self.svg_max_nodes else None
         if svg is not None:
             (directory / "graph.svg").write_text(svg)
         summary = graph_summary(gm, ctx.param_names)
@@ -229,7 +233,7 @@ function show(i) {{
   document.getElementById('summary').innerHTML = rows(s.summary);
   document.getElementById('ops').innerHTML = rows(s.ops);
   document.getElementById('code').textContent = s.code;
-  document.getElementById('svg').innerHTML = s.svg || '<p>(install Graphviz for SVG; the DOT file is beside the dump)</p>';
+  document.getElementById('svg').innerHTML = s.svg || '<p>(no SVG: no Graphviz, or the graph is too large; see graph.dot)</p>';
 }}
 sel.onchange = () => show(+sel.value);
 document.getElementById('prev').onclick = () => show(Math.max(0, +sel.value - 1));

@@ -4,6 +4,14 @@ A DeepSpeed training script ports by changing its import: ``engine(batch)``,
 ``engine.backward(loss)``, ``engine.step()``, ``save_checkpoint``/``load_checkpoint``, with the
 config's optimizer, scheduler, gradient accumulation and clipping. With several processes and no
 ZeRO, gradients are averaged across ranks (plain data parallelism).
+
+With ``zero_optimization.stage`` 1-3 the engine partitions the parameters
+(``dscompile.runtime.zero_shard``): the optimizer steps this rank's flat shards, ZeRO-2/3 compile a
+``ZeroModule`` whose graphs carry the gradient reduce-scatters (and ZeRO-3's parameter
+all-gathers) placed by the ``zero*`` passes, ZeRO-1 reduce-scatters gradients once per batch at
+the accumulation boundary. Clipping uses the global norm over all shards, an overflow reported by
+``loss_scaler`` on any rank skips the step on every rank, and checkpoints are per-rank shard files
+(``dscompile.runtime.zero_checkpoint``).
 """
 
 from __future__ import annotations
@@ -114,6 +122,10 @@ class DSCompileEngine(nn.Module):
             self.optimizer = shard_optimizer(self.optimizer, self.zero)
             if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "optimizer"):
                 self.lr_scheduler.optimizer = self.optimizer
+
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's accessor: the ZeRO stage in use (0 when off)."""
+        return self.zero.stage if self.zero is not None else 0
 
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -3,15 +3,21 @@
 The decision is a minimum cut on the joint forward/backward graph (networkx), in the shape of
 AOTAutograd's rematerialisation partitioner but with our objective: every forward value ``v``
 is split into ``v_in -> v_out``; cutting that edge means *save v* (cost: its bytes), and a
-``source -> v_in`` edge of capacity ``lam * flops(v)`` is cut when backward *recomputes v*.
-One cut minimises ``saved bytes + lam * recompute FLOPs`` exactly; sweeping ``lam`` walks the
-lower convex hull of the (saved bytes, recompute FLOPs) Pareto front, and a bisection on
-``lam`` finds the cheapest recompute set whose saved bytes meet a budget.
+``source -> v_in`` edge of capacity ``lam * seconds(v)`` is cut when backward *recomputes v*.
+``seconds(v)`` is a roofline estimate of the time recomputing ``v`` takes (``recompute_seconds``):
+matmul-class ops are priced by their FLOPs at matmul throughput, pointwise and reduction ops by
+the bytes they move at memory bandwidth, so a cheap elementwise op is not priced like a matmul.
+One cut minimises ``saved bytes + lam * recompute seconds`` exactly; sweeping ``lam`` walks the
+lower convex hull of the (saved bytes, recompute time) Pareto front, and a bisection on ``lam``
+finds the cheapest recompute set whose saved bytes meet a budget.
 
 Policies: ``none`` (no decisions, only measurement), ``full`` (inside each block only block
 inputs may be saved), ``selective`` (outputs of compute-intensive ops may not be recomputed;
 everything else is recomputed where that saves memory), ``budget`` (keep at most
-``memory_budget`` of the no-recompute saved bytes, at the least recompute cost).
+``memory_budget`` x the *no-recompute* saved bytes, the activations eager PyTorch keeps, at the
+least recompute time). torch's ``activation_memory_budget`` measures its budget differently
+(0: save only graph inputs, 1: its default runtime-optimised cut, which already recomputes
+cheap pointwise ops); ``bench/checkpointing.py`` therefore compares the two at equal saved bytes.
 
 Decisions reach AOTAutograd's min-cut partitioner as ``node.meta["recompute"]``
 (``CheckpointPolicy.MUST_SAVE`` / ``MUST_RECOMPUTE``) on every forward node, which pins its cut
@@ -95,6 +101,23 @@ class ActivationCheckpointingConfig:
             raise DSCompileNotSupportedError(f"{path}.contiguous_memory_optimization", "contiguous checkpoint buffers")
 
 
+class PartitionActivationsNotSupportedError(DSCompileNotSupportedError):
+    """``partition_activations`` on several ranks: DeepSpeed shards saved activations across the
+    *model-parallel* ranks, which hold identical copies of them; dscompile has no tensor/model
+    parallelism yet, and data-parallel ranks hold different activations, so there is nothing to shard."""
+
+    def __init__(self, world_size: int, key: str = "activation_checkpointing.partition_activations") -> None:
+        DSCompileConfigError.__init__(
+            self,
+            key,
+            f"on {world_size} ranks this would shard saved activations across model-parallel (tensor-parallel) ranks, "
+            "which hold identical copies of them; that needs tensor/model parallelism, which dscompile has not built, "
+            f"and the {world_size} ranks here are data-parallel, each with different activations, so there is nothing to partition",
+            "set partition_activations to false (to cut activation memory use policy 'full' or a memory_budget, "
+            "or cpu_checkpointing on GPU)",
+        )
+
+
 def _parse_section(value: Any, path: str) -> ActivationCheckpointingConfig:
     return parse_dataclass(ActivationCheckpointingConfig, value, path)
 
@@ -146,6 +169,86 @@ class CheckpointOptions:
 
 
 # ---------------------------------------------------------------------------------------------
+# Recompute time: a roofline per node.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Throughputs of one device class. Only their ratios steer the cut (``lam`` absorbs the scale),
+    so round figures do: what matters is that a pointwise op costs its bytes, not its FLOPs."""
+
+    matmul_flops: float  # FLOP/s of matmul-class ops (mm, addmm, bmm, convolution)
+    vector_flops: float  # FLOP/s of pointwise and reduction ops
+    bandwidth: float  # bytes/s between memory and the cores
+    attention_flops: float = 0.0  # FLOP/s of fused attention (counted over the full, unmasked score matrix); 0: matmul_flops
+
+    def seconds(self, flops: float, moved_bytes: float, kind: str) -> float:
+        """``kind``: "matmul", "attention" or "vector"."""
+        rate = {"matmul": self.matmul_flops, "attention": self.attention_flops or self.matmul_flops}.get(kind, self.vector_flops)
+        return max(flops / rate, moved_bytes / self.bandwidth)
+
+
+ROOFLINES: dict[str, Roofline] = {
+    # One x86 core, fp32, measured on the project machine: sgemm ~150 GFLOP/s, CPU flash attention
+    # ~75 GFLOP/s (causal, head dim 32-64, FLOPs counted over the full score matrix as torch's
+    # formula does), streaming add ~18 GB/s, GELU ~2 G elements/s. More cores scale all alike.
+    "cpu": Roofline(matmul_flops=1.5e11, vector_flops=1e10, bandwidth=2e10, attention_flops=7.5e10),
+    # An H100-class GPU: ~400 TFLOP/s dense matmul (TF32/BF16 tensor cores, achieved), fused
+    # attention at about half that (FlashAttention-2 reaches 50-70% of GEMM throughput, and causal
+    # masking skips half the counted work), ~50 TFLOP/s on the vector units, ~3 TB/s HBM
+    # (datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s).
+    "cuda": Roofline(matmul_flops=4e14, vector_flops=5e13, bandwidth=3e12, attention_flops=2e14),
+}
+
+
+def roofline_for(device: torch.device | str | None) -> Roofline:
+    """The roofline of a device type; anything that is not CPU is priced like a CUDA GPU."""
+    kind = torch.device(device).type if device is not None else "cpu"
+    return ROOFLINES["cpu" if kind == "cpu" else "cuda"]
+
+
+def op_class(node: torch.fx.Node) -> str:
+    """"attention" (any attention kernel), "matmul" (the other ops torch's FLOP counter has formulas
+    for: matmuls, convolutions) or "vector" (pointwise, reductions, everything else)."""
+    from torch.utils.flop_counter import flop_registry
+
+    if node.op != "call_function":
+        return "vector"
+    if "attention" in str(node.target):
+        return "attention"
+    return "matmul" if getattr(node.target, "overloadpacket", None) in flop_registry else "vector"
+
+
+def is_matmul_class(node: torch.fx.Node) -> bool:
+    """Ops whose time is bound by arithmetic: matmuls, convolutions and attention."""
+    return op_class(node) != "vector"
+
+
+def recompute_seconds(node: torch.fx.Node, hints: dict[Any, int], roofline: Roofline) -> float:
+    """Estimated time to run ``node`` once: ``max(flops / throughput, bytes moved / bandwidth)``,
+    with the throughput of the op's class; views and other free ops cost nothing."""
+    from dscompile.cost import evaluate, node_cost
+
+    if node.op != "call_function" or _op_types().is_view(node):
+        return 0.0
+    cost = node_cost(node)
+    flops = evaluate(cost.flops, hints)
+    if flops == 0 and cost.bytes_read == 0 and cost.bytes_written == 0:
+        return 0.0
+    moved = evaluate(cost.bytes_read, hints) + evaluate(cost.bytes_written, hints)
+    return roofline.seconds(float(flops), float(moved), op_class(node))
+
+
+def _graph_device(nodes: Iterable[torch.fx.Node]) -> torch.device:
+    for node in nodes:
+        for t in tensor_values(node_value(node)):
+            if t.device.type != "meta":
+                return t.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
 # The joint graph as the solver sees it.
 # ---------------------------------------------------------------------------------------------
 
@@ -182,6 +285,7 @@ class JointInfo:
     needed_by_bw: set[torch.fx.Node]  # forward nodes some backward node depends on
     size: dict[torch.fx.Node, float]  # bytes if saved (math.inf: cannot be saved)
     flops: dict[torch.fx.Node, int]
+    seconds: dict[torch.fx.Node, float]  # roofline time of recomputing the node once
     banned: dict[torch.fx.Node, str]  # never recomputed, with the reason
     rng_state_bytes: int
 
@@ -206,14 +310,17 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
     for node in backward:
         needed_by_bw |= _ancestors([a for a in node.all_input_nodes if a not in backward], stop=backward)
     ops = _op_types()
+    roofline = roofline_for(_graph_device(forward))
     size: dict[torch.fx.Node, float] = {}
     flops: dict[torch.fx.Node, int] = {}
+    seconds: dict[torch.fx.Node, float] = {}
     banned: dict[torch.fx.Node, str] = {}
     for node in primals + forward:
         value = node_value(node)
         if node.op == "placeholder":
             size[node] = 0.0  # inputs and parameters are alive anyway
             flops[node] = 0
+            seconds[node] = 0.0
             continue
         if isinstance(value, torch.Tensor):
             size[node] = float(evaluate(nbytes(value), hints))
@@ -222,10 +329,11 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
         else:
             size[node] = math.inf  # tuples: their getitems are what gets saved
         flops[node] = 0 if ops.is_view(node) else evaluate(node_cost(node).flops, hints)
+        seconds[node] = recompute_seconds(node, hints, roofline)
         reason = _ban_reason(node)
         if reason:
             banned[node] = reason
-    return JointInfo(forward, backward, primals, required_fw, needed_by_bw, size, flops, banned, _rng_state_bytes(forward))
+    return JointInfo(forward, backward, primals, required_fw, needed_by_bw, size, flops, seconds, banned, _rng_state_bytes(forward))
 
 
 def _ancestors(start: Iterable[torch.fx.Node], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -313,34 +421,43 @@ class Cut:
     recomputed: set[torch.fx.Node]
     saved_bytes: float
     recompute_flops: int
+    recompute_seconds: float  # roofline estimate, the quantity the cut minimises
     rng_replays: int
 
 
 class CutSolver:
-    """Builds the flow network once; ``solve(lam)`` prices recomputation at ``lam`` bytes per FLOP."""
+    """Builds the flow network once; ``solve(lam)`` prices one second of recomputation at ``lam`` bytes.
+
+    Backward nodes are not modelled one by one: a forward value some backward node reads gets an
+    infinite edge to the sink (backward must get it, saved or recomputed), which keeps the
+    network to the forward half of the graph.
+    """
 
     def __init__(self, info: JointInfo, *, may_save: Callable[[torch.fx.Node], bool] | None = None,
                  extra_banned: Iterable[torch.fx.Node] = ()) -> None:
         import networkx as nx
+        from networkx.algorithms.flow import boykov_kolmogorov
 
         self.info = info
         self.banned = set(info.banned) | set(extra_banned)
+        self.nodes = info.primals + info.forward
         graph = nx.DiGraph()
         graph.add_node("source")
         graph.add_node("sink")
-        for node in info.backward:
-            graph.add_edge(f"{node.name}_in", "sink", capacity=math.inf)
-        for node in info.primals + info.forward:
+        for node in self.nodes:
             node_in, node_out = f"{node.name}_in", f"{node.name}_out"
             size = info.size[node]
             if may_save is not None and node.op != "placeholder" and not may_save(node) and node not in self.banned:
                 size = math.inf
             graph.add_edge(node_in, node_out, capacity=size)
             for user in node.users:
-                if user.op != "output":
+                if user in info.backward:
+                    graph.add_edge(node_out, "sink", capacity=math.inf)
+                elif user.op != "output":
                     graph.add_edge(node_out, f"{user.name}_in", capacity=math.inf)
         self.graph = graph
         self.nx = nx
+        self.flow_func = boykov_kolmogorov  # the fastest of networkx's max-flow routines on these graphs
 
     def recompute_price(self, node: torch.fx.Node, lam: float) -> float:
         """Bytes-equivalent cost of recomputing ``node`` in backward."""
@@ -348,22 +465,23 @@ class CutSolver:
             return math.inf
         if node not in self.info.required_fw:
             return 0.0  # computed once either way: in backward instead of forward
-        price = lam * self.info.flops[node] + 1e-3 * (1 + self.info.flops[node])  # tie-break: recompute less
+        seconds = self.info.seconds[node]
+        price = (lam * seconds if seconds > 0 else 0.0) + 1e-3 * (1 + 1e9 * seconds)  # tie-break: recompute less
         if _is_random(node):
             price += self.info.rng_state_bytes
         return price
 
     def solve(self, lam: float) -> Cut:
         graph = self.graph
-        for node in self.info.primals + self.info.forward:
+        for node in self.nodes:
             price = self.recompute_price(node, lam)
             if price > 0:
                 graph.add_edge("source", f"{node.name}_in", capacity=price)
             elif graph.has_edge("source", f"{node.name}_in"):
                 graph.remove_edge("source", f"{node.name}_in")
-        _value, (reachable, _rest) = self.nx.minimum_cut(graph, "source", "sink")
+        _value, (reachable, _rest) = self.nx.minimum_cut(graph, "source", "sink", flow_func=self.flow_func)
         saved, recomputed = set(), set()
-        for node in self.info.primals + self.info.forward:
+        for node in self.nodes:
             node_in, node_out = f"{node.name}_in", f"{node.name}_out"
             if node_in in reachable and node_out not in reachable:
                 saved.add(node)
@@ -371,56 +489,60 @@ class CutSolver:
                 recomputed.add(node)
         # Recomputing something backward never uses is pointless (and would force its inputs).
         recomputed &= self.info.needed_by_bw
+        extra = [n for n in recomputed if n in self.info.required_fw]
         saved_bytes = sum(self.info.size[n] for n in saved)
-        replays = sum(1 for n in recomputed if _is_random(n) and n in self.info.required_fw)
-        flops = sum(self.info.flops[n] for n in recomputed if n in self.info.required_fw)
-        return Cut(saved, recomputed, saved_bytes + replays * self.info.rng_state_bytes, flops, replays)
+        replays = sum(1 for n in extra if _is_random(n))
+        return Cut(saved, recomputed, saved_bytes + replays * self.info.rng_state_bytes,
+                   sum(self.info.flops[n] for n in extra), sum(self.info.seconds[n] for n in extra), replays)
 
 
 def solve_budget(info: JointInfo, budget: float) -> tuple[Cut, Cut]:
-    """The cheapest-recompute cut whose saved bytes are at most ``budget`` x the no-recompute bytes.
+    """The least-recompute-time cut whose saved bytes are at most ``budget`` x the no-recompute bytes.
 
-    Returns (chosen cut, baseline cut). Bisection on ``lam`` in log space: saved bytes fall
-    monotonically as ``lam`` (the price of a FLOP) falls.
+    Returns (chosen cut, baseline cut). Bisection on ``lam`` in log space (saved bytes fall
+    monotonically as ``lam``, the price of a second, falls) brackets the budget between two hull
+    points; ``_refine`` then spends the slack the feasible one leaves.
     """
     solver = CutSolver(info)
     baseline = solver.solve(math.inf)
     target = budget * baseline.saved_bytes
     if baseline.saved_bytes <= target:
         return baseline, baseline
-    total_flops = max(1, sum(info.flops[n] for n in info.forward))
-    scale = max(1.0, baseline.saved_bytes) / total_flops
-    low, high = math.log(scale * 1e-6), math.log(scale * 1e6)
     best = solver.solve(0.0)
     if best.saved_bytes > target:
         log.info("budget %.2f is below what recomputing everything recomputable reaches (%.0f of %.0f bytes); using that",
                  budget, best.saved_bytes, baseline.saved_bytes)
         return best, baseline
+    total_seconds = sum(info.seconds[n] for n in info.forward) or 1e-9
+    scale = max(1.0, baseline.saved_bytes) / total_seconds  # lam at which recomputing everything costs the baseline
+    low, high = math.log(scale * 1e-5), math.log(scale * 1e5)
+    cheaper: Cut | None = None  # the infeasible cut nearest the budget: less recompute than ``best``
     for _ in range(24):
         mid = (low + high) / 2
         cut = solver.solve(math.exp(mid))
         if cut.saved_bytes <= target:
             low = mid
-            if cut.recompute_flops <= best.recompute_flops:
+            if cut.recompute_seconds <= best.recompute_seconds:
                 best = cut
         else:
-            high = mid
-        if high - low < 0.05:
+            high, cheaper = mid, cut
+        if high - low < 0.05 or best.saved_bytes >= 0.99 * target:
             break
-    return _refine(solver, math.exp(low), best, target), baseline
+    return _refine(solver, math.exp(low), best, cheaper, target), baseline
 
 
-def _refine(solver: CutSolver, lam: float, cut: Cut, target: float, limit: int = 48) -> Cut:
-    """Knapsack-style step between two hull points: forbid recomputing the costliest recomputed
-    nodes one at a time, keeping each ban that still meets the budget and lowers recompute FLOPs."""
-    candidates = sorted((n for n in cut.recomputed if solver.info.flops[n] > 0 and n in solver.info.required_fw),
-                        key=lambda n: -solver.info.flops[n])[:limit]
+def _refine(solver: CutSolver, lam: float, cut: Cut, cheaper: Cut | None, target: float, limit: int = 12) -> Cut:
+    """Knapsack-style step between the two hull points around the budget: forbid recomputing, one
+    at a time, the costliest nodes the feasible cut recomputes and the cheaper (infeasible) one
+    does not, keeping each ban that still meets the budget and lowers the recompute time."""
+    info = solver.info
+    pool = cut.recomputed - cheaper.recomputed if cheaper is not None else cut.recomputed
+    candidates = sorted((n for n in pool if info.seconds[n] > 0 and n in info.required_fw and n not in solver.banned),
+                        key=lambda n: -info.seconds[n])[:limit]
     for node in candidates:
-        if node in solver.banned:
-            continue
         solver.banned.add(node)
         trial = solver.solve(lam)
-        if trial.saved_bytes <= target and trial.recompute_flops < cut.recompute_flops:
+        if trial.saved_bytes <= target and trial.recompute_seconds < cut.recompute_seconds:
             cut = trial
         else:
             solver.banned.discard(node)
@@ -444,6 +566,7 @@ class Plan:
         if self.cut is not None:
             data["predicted_saved_bytes"] = int(self.cut.saved_bytes)
             data["predicted_recompute_flops"] = int(self.cut.recompute_flops)
+            data["predicted_recompute_seconds"] = self.cut.recompute_seconds
             data["predicted_saved"] = sorted(n.name for n in self.cut.saved if n.op != "placeholder")
             data["recomputed"] = sorted(n.name for n in self.cut.recomputed)
             data["rng_replays"] = self.cut.rng_replays
@@ -526,9 +649,9 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 
 def measure_partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> dict[str, Any]:
     """Saved-activation bytes (forward outputs beyond the user outputs that are not graph inputs or
-    views of them) and recompute FLOPs (backward nodes that also run in forward)."""
-    from torch.utils.flop_counter import flop_registry
-
+    views of them) and the recompute cost of backward nodes that also run in forward: all their
+    FLOPs, the matmul-class FLOPs alone (the ones torch's FlopCounterMode counts), and their
+    roofline time (``recompute_seconds``), with the forward's totals to relate them to."""
     from dscompile.cost import _shape_hints, evaluate, nbytes, node_cost
     from dscompile.runtime.activation_offload import saved_outputs
 
@@ -552,16 +675,21 @@ def measure_partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fw
 
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     bw_hints = _shape_hints(bw)
+    roofline = roofline_for(_graph_device(fw.graph.nodes))
     recompute_flops = matmul_flops = 0
+    recompute_time = 0.0
     recomputed = []
     for node in bw.graph.nodes:
         if node.op == "call_function" and (node.name in fw_names or str(node.target).endswith("run_with_rng_state")):
             recomputed.append(node.name)
             if not ops.is_view(node):
+                node = _unwrap_rng(node)
                 flops = evaluate(node_cost(node).flops, bw_hints)
                 recompute_flops += flops
-                if getattr(node.target, "overloadpacket", None) in flop_registry:
+                recompute_time += recompute_seconds(node, bw_hints, roofline)
+                if is_matmul_class(node):
                     matmul_flops += flops
+    forward_nodes = [_unwrap_rng(n) for n in fw.graph.nodes if n.op == "call_function"]
     return {
         "saved": [n.name for n in activations],
         "saved_bytes": total(activations) + total(rng),
@@ -569,10 +697,39 @@ def measure_partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fw
         "rng_state_bytes": total(rng),
         "saved_input_bytes": total(inputs),
         "recompute_flops": recompute_flops,
-        "recompute_matmul_flops": matmul_flops,  # the ops torch's FlopCounterMode counts
+        "recompute_matmul_flops": matmul_flops,
+        "recompute_seconds": recompute_time,
         "recomputed_nodes": len(recomputed),
-        "forward_flops": sum(evaluate(node_cost(n).flops, hints) for n in fw.graph.nodes if n.op == "call_function"),
+        "forward_flops": sum(evaluate(node_cost(n).flops, hints) for n in forward_nodes),
+        "forward_matmul_flops": sum(evaluate(node_cost(n).flops, hints) for n in forward_nodes if is_matmul_class(n)),
+        "forward_seconds": sum(recompute_seconds(n, hints, roofline) for n in forward_nodes),
     }
+
+
+def _unwrap_rng(node: torch.fx.Node) -> torch.fx.Node:
+    """The partitioner wraps replayed random ops in ``run_and_save_rng_state`` / ``run_with_rng_state``,
+    which the cost model cannot see into; price them as a stand-in node of the wrapped op, built
+    in a scratch graph so the real graph's use lists stay untouched."""
+    name = str(node.target)
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return node
+    if "run_with_rng_state" in name:
+        op, args, value = node.args[1], node.args[2:], node_value(node)
+    elif "run_and_save_rng_state" in name:
+        value = node_value(node)
+        op, args, value = node.args[0], node.args[1:], value[1] if isinstance(value, (tuple, list)) else None
+    else:
+        return node
+    scratch = torch.fx.Graph()
+
+    def stand_in(arg: torch.fx.Node) -> torch.fx.Node:
+        placeholder = scratch.placeholder(arg.name)
+        placeholder.meta["val"] = node_value(arg)
+        return placeholder
+
+    inner = scratch.call_function(op, torch.fx.node.map_arg(tuple(args), stand_in), torch.fx.node.map_arg(dict(node.kwargs), stand_in))
+    inner.meta["val"] = value
+    return inner
 
 
 def _aliases_input(node: torch.fx.Node, ops: Any) -> bool:
@@ -642,9 +799,10 @@ def checkpoint(gm: torch.fx.GraphModule, ctx: PassContext, options: CheckpointOp
     if options is None:
         options = CheckpointOptions()
     if options.partition_activations and ctx.world_size > 1:
-        raise DSCompileNotSupportedError("activation_checkpointing.partition_activations", "sharding saved activations across ranks")
+        raise PartitionActivationsNotSupportedError(ctx.world_size)
     if options.partition_activations:
-        _log_once("partition_single", "partition_activations: a single rank holds all activations; nothing to shard")
+        _log_once("partition_single", "partition_activations: one rank and no model parallelism; there are no model-parallel "
+                  "copies of the activations to shard, so it has no effect")
     if options.synchronize_boundary:
         _log_once("sync_boundary", "synchronize_checkpoint_boundary has no effect: compiled graphs have no per-block boundaries to synchronise")
     num_fwd_outputs = ctx.num_fwd_outputs
@@ -669,10 +827,13 @@ def checkpoint(gm: torch.fx.GraphModule, ctx: PassContext, options: CheckpointOp
 __all__ = [
     "ActivationCheckpointingConfig",
     "CheckpointOptions",
+    "PartitionActivationsNotSupportedError",
+    "Roofline",
     "analyse_joint",
     "checkpoint_reports",
     "clear_reports",
     "measure_partition",
     "plan_checkpointing",
+    "recompute_seconds",
     "solve_budget",
 ]

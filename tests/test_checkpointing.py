@@ -1,4 +1,8 @@
-"""Activation checkpointing pass: numerics against eager, saved bytes against budgets, config, dump.
+"""Activation checkpointing pass: numerics against eager, saved bytes against budgets, cost model, config, dump.
+
+Compiles are the cost of these tests, so each (model, policy) is compiled once per session and
+shared by the tests that look at it, and the budget sweep partitions one captured joint graph
+at every budget (the pass and AOTAutograd's partitioner, without re-tracing).
 
 Dropout: the compiled step draws random numbers in the same order as eager on CPU, and the
 partitioner replays recomputed dropouts from the forward's saved generator state, so compiled
@@ -8,8 +12,14 @@ results with any policy equal eager with the same seed (checked exactly below, m
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -20,21 +30,9 @@ from dscompile.passes import checkpointing as ckpt
 from dscompile.pipeline import PassContext, parse_pipeline
 from dscompile.zoo import build
 
-POLICIES = [
-    {"policy": "none"},
-    {"policy": "full"},
-    {"policy": "selective"},
-    {"memory_budget": 1.0},
-    {"memory_budget": 0.6},
-    {"memory_budget": 0.2},
-]
-ZOO_CASES = {
-    "gpt": {"dropout": 0.1},
-    "gpt_explicit": {"dropout": 0.1},
-    "llama": {},
-    "bert": {},
-    "mlp": {},
-}
+POLICIES = {"none": {"policy": "none"}, "full": {"policy": "full"}, "selective": {"policy": "selective"}, "budget": {"memory_budget": 0.4}}
+MODELS = {"gpt": {"dropout": 0.1}, "gpt_explicit": {"dropout": 0.1}, "llama": {}, "bert": {}, "mlp": {}}
+DUMP = Path(tempfile.mkdtemp(prefix="dscompile-ckpt-"))
 
 
 def _train_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], seed: int = 7) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -44,7 +42,7 @@ def _train_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], seed: i
     return loss.detach(), [p.grad.clone() for p in model.parameters()], torch.get_rng_state()
 
 
-def _compiled_step(case, ac: dict, **options):
+def _compiled_step(case: Any, ac: dict, **options: Any) -> tuple[Any, ...]:
     torch._dynamo.reset()
     ckpt.clear_reports()
     model = copy.deepcopy(case.model)
@@ -55,11 +53,23 @@ def _compiled_step(case, ac: dict, **options):
     return loss, grads, rng, reports[0]
 
 
-def _eager_step(case):
+@functools.cache
+def _eager(name: str) -> tuple[Any, ...]:
+    case = build(name, **MODELS[name])
     return _train_step(copy.deepcopy(case.model), case.batch())
 
 
-def _assert_same(eager, compiled) -> None:
+@functools.cache
+def _compiled(name: str, policy: str) -> tuple[Any, ...]:
+    """One compile per (model, policy) for the whole session; gpt's budget run also writes a dump
+    (without Graphviz rendering, which takes minutes on a joint graph and is not under test here)."""
+    if (name, policy) != ("gpt", "budget"):
+        return _compiled_step(build(name, **MODELS[name]), POLICIES[policy])
+    with mock.patch("dscompile.dump.render_svg", lambda _dot: None):
+        return _compiled_step(build(name, **MODELS[name]), POLICIES[policy], dump=str(DUMP))
+
+
+def _assert_same(eager: tuple[Any, ...], compiled: tuple[Any, ...]) -> None:
     loss, grads, rng = eager
     c_loss, c_grads, c_rng = compiled[:3]
     torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
@@ -69,95 +79,184 @@ def _assert_same(eager, compiled) -> None:
     assert torch.equal(rng, c_rng)
 
 
-@pytest.mark.parametrize("ac", POLICIES, ids=lambda ac: "-".join(f"{k}={v}" for k, v in ac.items()))
+# -- numerics: every policy on both transformer families, one policy on each other zoo model ------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_every_policy_matches_eager(name: str, ac: dict) -> None:
-    case = build(name, **ZOO_CASES[name])
-    _assert_same(_eager_step(case), _compiled_step(case, ac))
+def test_every_policy_matches_eager(name: str, policy: str) -> None:
+    _assert_same(_eager(name), _compiled(name, policy))
 
 
-@pytest.mark.parametrize("ac", [{"policy": "full"}, {"policy": "selective"}, {"memory_budget": 0.4}], ids=["full", "selective", "budget0.4"])
-@pytest.mark.parametrize("name", ["gpt_explicit", "bert", "mlp"])
-def test_other_zoo_models_match_eager(name: str, ac: dict) -> None:
-    case = build(name, **ZOO_CASES[name])
-    _assert_same(_eager_step(case), _compiled_step(case, ac))
+@pytest.mark.parametrize(("name", "policy"), [("gpt_explicit", "budget"), ("bert", "selective"), ("mlp", "full")])
+def test_other_zoo_models_match_eager(name: str, policy: str) -> None:
+    _assert_same(_eager(name), _compiled(name, policy))
 
 
 def test_dropout_is_replayed_not_redrawn() -> None:
-    """With full recomputation every dropout runs again in backward; masks must repeat exactly."""
-    case = build("gpt", dropout=0.5)
-    eager = _eager_step(case)
-    compiled = _compiled_step(case, {"policy": "full"})
-    assert compiled[3]["rng_replays"] > 0 and compiled[3]["rng_state_bytes"] > 0
-    _assert_same(eager, compiled)
+    """gpt has dropout 0.1: with full recomputation every dropout runs again in backward, from the
+    forward's generator state, and the gradients (masks included) still equal eager's."""
+    report = _compiled("gpt", "full")[3]
+    assert report["rng_replays"] > 0 and report["rng_state_bytes"] > 0
+    _assert_same(_eager("gpt"), _compiled("gpt", "full"))
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_saved_bytes_fall_with_the_budget_and_meet_it(name: str) -> None:
-    case = build(name, **ZOO_CASES[name])
-    measured = []
-    for budget in (1.0, 0.8, 0.6, 0.4, 0.2):
-        report = _compiled_step(case, {"memory_budget": budget})[3]
-        baseline = report["baseline_saved_bytes"]
-        assert report["saved_bytes"] <= budget * baseline, (budget, report["saved_bytes"], baseline)
-        assert abs(report["saved_bytes"] - report["predicted_saved_bytes"]) <= 0.02 * baseline  # the model predicts the partitioner
-        measured.append((report["saved_bytes"], report["recompute_flops"]))
-    assert measured[0][1] == 0  # budget 1.0: nothing recomputed
-    for (bytes_hi, flops_hi), (bytes_lo, flops_lo) in zip(measured, measured[1:]):
-        assert bytes_lo <= bytes_hi and flops_lo >= flops_hi
-    assert measured[-1][0] < 0.5 * measured[0][0]
-    none = _compiled_step(case, {"policy": "none"})[3]
-    assert measured[-1][0] < none["saved_bytes"]
+# -- what gets saved -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_full_saves_only_block_inputs_inside_blocks(name: str) -> None:
-    case = build(name, **ZOO_CASES[name], n_layers=3)
-    report = _compiled_step(case, {"policy": "full"})[3]
-    none = _compiled_step(case, {"policy": "none"})[3]
+    report, none = _compiled(name, "full")[3], _compiled(name, "none")[3]
     boundary = set(report["boundary"])
     inside = {n for n, block in report["saved_block"].items() if block is not None}
     assert inside, "a block's input should be saved"
     assert inside <= boundary, f"saved inside blocks but not block inputs: {sorted(inside - boundary)}"
+    assert report["notes"] == ["2 segments"]
     assert report["activation_bytes"] < 0.5 * none["activation_bytes"]
-    # the checkpoint groups follow number_checkpoints
-    grouped = _compiled_step(case, {"policy": "full", "number_checkpoints": 1})[3]
-    assert grouped["notes"] == ["1 segments"] and report["notes"] == ["3 segments"]
-    assert grouped["activation_bytes"] <= report["activation_bytes"]
 
 
 def test_selective_never_recomputes_matmuls_or_attention() -> None:
-    case = build("gpt")
-    report = _compiled_step(case, {"policy": "selective"})[3]
-    none = _compiled_step(case, {"policy": "none"})[3]
+    report, none = _compiled("gpt", "selective")[3], _compiled("gpt", "none")[3]
     expensive = [n for n in report["recomputed"] if n.split("_")[0] in ("mm", "addmm", "bmm") or "attention" in n]
     assert not expensive
+    assert report["recompute_matmul_flops"] == 0
     assert report["recomputed"], "cheap ops should be recomputed"
     assert report["saved_bytes"] < none["saved_bytes"]
 
 
-def test_dump_writes_checkpointing_json(tmp_path) -> None:
-    case = build("gpt")
-    _compiled_step(case, {"memory_budget": 0.5}, dump=str(tmp_path))
-    [path] = list(tmp_path.glob("*.joint/checkpointing.json"))
+@dataclass
+class Joint:
+    """A joint graph as AOTAutograd hands it to the partitioner, with what the partitioner needs."""
+
+    graph: torch.fx.GraphModule
+    inputs: Any
+    num_fwd_outputs: int
+    kwargs: dict[str, Any]
+
+    def partition(self, **options: Any) -> dict[str, Any]:
+        """Run the checkpoint pass and its partition function on a copy; the measured report."""
+        from torch._guards import detect_fake_mode
+
+        joint = copy.deepcopy(self.graph)
+        ctx = PassContext(config=load_config({}), graph_kind="joint", graph_name="g.joint", world_size=1,
+                          num_fwd_outputs=self.num_fwd_outputs)
+        ckpt.checkpoint(joint, ctx, ckpt.CheckpointOptions(**options))
+        with detect_fake_mode(self.inputs):
+            ctx.analysis["partition_fn"](joint, self.inputs, num_fwd_outputs=self.num_fwd_outputs, **self.kwargs)
+        return ctx.analysis["checkpointing"]["g.joint"]
+
+
+@pytest.fixture(scope="module")
+def gpt_joint() -> Joint:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    captured: list[Joint] = []
+
+    def partition(joint, inputs, *, num_fwd_outputs, **kwargs):
+        captured.append(Joint(copy.deepcopy(joint), inputs, num_fwd_outputs, kwargs))
+        return min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    case = build("gpt", **MODELS["gpt"])
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=lambda gm, _: gm.forward, partition_fn=partition,
+                           keep_inference_input_mutations=True)
+    torch.compile(copy.deepcopy(case.model), backend=backend)(*case.batch()).backward()
+    torch._dynamo.reset()
+    return captured[0]
+
+
+def test_saved_bytes_fall_with_the_budget_and_meet_it(gpt_joint: Joint) -> None:
+    measured = []
+    for budget in (1.0, 0.8, 0.6, 0.4, 0.2):
+        report = gpt_joint.partition(budget=budget)
+        baseline = report["baseline_saved_bytes"]
+        assert report["saved_bytes"] <= budget * baseline, (budget, report["saved_bytes"], baseline)
+        assert abs(report["saved_bytes"] - report["predicted_saved_bytes"]) <= 0.02 * baseline  # the model predicts the partitioner
+        assert report["recompute_seconds"] == pytest.approx(report["predicted_recompute_seconds"], rel=0.05, abs=1e-9)
+        measured.append(report)
+    assert measured[0]["recompute_flops"] == 0  # budget 1.0: nothing recomputed
+    for hi, lo in zip(measured, measured[1:]):
+        assert lo["saved_bytes"] <= hi["saved_bytes"] and lo["recompute_seconds"] >= hi["recompute_seconds"]
+    assert measured[-1]["saved_bytes"] < 0.5 * measured[0]["saved_bytes"]
+    # a mild budget is met by recomputing bandwidth-bound ops alone: no matmul is worth its time there
+    assert measured[1]["recompute_matmul_flops"] == 0 < measured[1]["recompute_seconds"]
+    assert measured[-1]["recompute_matmul_flops"] > 0
+    none = gpt_joint.partition(policy="none")
+    assert measured[-1]["saved_bytes"] < none["saved_bytes"]
+
+
+def test_number_checkpoints_groups_blocks(gpt_joint: Joint) -> None:
+    per_block = gpt_joint.partition(policy="full")
+    grouped = gpt_joint.partition(policy="full", number_checkpoints=1)
+    assert per_block["notes"] == ["2 segments"] and grouped["notes"] == ["1 segments"]
+    assert grouped["activation_bytes"] < per_block["activation_bytes"]  # one block input fewer
+    assert grouped["recompute_flops"] >= per_block["recompute_flops"]
+
+
+# -- the recompute cost model ---------------------------------------------------------------------------------
+
+
+def _traced(fn: Any, *shapes: tuple[int, ...]) -> torch.fx.GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(torch.empty(s)) for s in shapes]
+        return make_fx(fn)(*args)
+
+
+def test_roofline_prices_matmuls_by_flops_and_pointwise_by_bytes() -> None:
+    gm = _traced(lambda a, b: torch.relu(a @ b).sum(), (256, 256), (256, 256))
+    nodes = {str(n.target).split(".")[1]: n for n in gm.graph.nodes if n.op == "call_function"}
+    cpu = ckpt.ROOFLINES["cpu"]
+    mm = ckpt.recompute_seconds(nodes["mm"], {}, cpu)
+    relu = ckpt.recompute_seconds(nodes["relu"], {}, cpu)
+    total = ckpt.recompute_seconds(nodes["sum"], {}, cpu)
+    elements = 256 * 256
+    assert ckpt.is_matmul_class(nodes["mm"]) and not ckpt.is_matmul_class(nodes["relu"])
+    assert mm == pytest.approx(2 * 256**3 / cpu.matmul_flops)  # compute-bound: FLOPs at matmul throughput
+    assert relu == pytest.approx(2 * 4 * elements / cpu.bandwidth)  # bandwidth-bound: read + write
+    assert total == pytest.approx(4 * elements / cpu.bandwidth, rel=1e-3)  # a reduction reads its input
+    # one FLOP per element: priced as a matmul FLOP, relu would look 30x cheaper than it is
+    assert relu > 10 * elements / cpu.matmul_flops
+    views = [n for n in gm.graph.nodes if n.op == "call_function" and "view" in str(n.target)]
+    assert all(ckpt.recompute_seconds(n, {}, cpu) == 0.0 for n in views)
+
+
+def test_roofline_per_device() -> None:
+    assert ckpt.roofline_for("cpu") is ckpt.ROOFLINES["cpu"]
+    assert ckpt.roofline_for(torch.device("cuda", 1)) is ckpt.ROOFLINES["cuda"]
+    for roof in ckpt.ROOFLINES.values():
+        # the ratios that steer the cut: matmul units outrun vector units, both outrun memory
+        assert roof.matmul_flops > roof.vector_flops > roof.bandwidth / 4
+
+
+# -- dump, offload, config -------------------------------------------------------------------------------------
+
+
+def test_dump_writes_checkpointing_json() -> None:
+    _compiled("gpt", "budget")
+    [path] = list(DUMP.glob("*.joint/checkpointing.json"))
     data = json.loads(path.read_text())
-    assert data["policy"] == "budget" and data["memory_budget"] == 0.5
-    assert data["saved_bytes"] <= 0.5 * data["baseline_saved_bytes"] and data["recompute_flops"] > 0
+    assert data["policy"] == "budget" and data["memory_budget"] == 0.4
+    assert data["saved_bytes"] <= 0.4 * data["baseline_saved_bytes"] and data["recompute_flops"] > 0
+    assert data["recompute_seconds"] > 0 and data["forward_seconds"] > data["recompute_seconds"]
     nodes = next(path.parent.glob("*_checkpoint/nodes.txt")).read_text()
     assert "MUST_RECOMPUTE" in nodes and '"checkpoint": "recompute"' in nodes
 
 
-def test_cpu_checkpointing_is_a_logged_noop_on_cpu(caplog) -> None:
+def test_cpu_checkpointing_is_a_logged_noop_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
     ckpt._LOGGED_ONCE.discard("cpu_offload_cpu")
-    case = build("gpt")
+    case = build("mlp")
     with caplog.at_level(logging.WARNING, logger="dscompile.passes.checkpoint"):
         result = _compiled_step(case, {"policy": "full", "cpu_checkpointing": True})
     assert result[3]["offloaded"] == []
     assert "host memory" in caplog.text
-    _assert_same(_eager_step(case), result)
+    _assert_same(_eager("mlp"), result)
 
 
-def test_host_offload_rewrite_keeps_numerics(monkeypatch) -> None:
+def test_host_offload_rewrite_keeps_numerics(monkeypatch: pytest.MonkeyPatch) -> None:
     """The offload rewrite itself, exercised on CPU by routing CPU tensors through host copies."""
     from dscompile.runtime.activation_offload import offload_saved_activations
 
@@ -168,10 +267,10 @@ def test_host_offload_rewrite_keeps_numerics(monkeypatch) -> None:
         return moved
 
     monkeypatch.setattr(ckpt, "_offload", offload_even_on_cpu)
-    case = build("llama")
+    case = build("llama", n_layers=1)
     result = _compiled_step(case, {"memory_budget": 0.5, "cpu_checkpointing": True})
     assert result[3]["offloaded"]
-    _assert_same(_eager_step(case), result)
+    _assert_same(_train_step(copy.deepcopy(case.model), case.batch()), result)
 
 
 def test_config_section_and_pipeline_text() -> None:
@@ -205,11 +304,16 @@ def test_contiguous_memory_optimization_is_refused() -> None:
         load_config({"activation_checkpointing": {"contiguous_memory_optimization": True}})
 
 
-def test_partition_activations_across_ranks_is_refused() -> None:
+def test_partition_activations_across_ranks_says_it_needs_model_parallelism() -> None:
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     ctx = PassContext(config=load_config({}), graph_kind="joint", graph_name="g.joint", world_size=2, num_fwd_outputs=1)
-    with pytest.raises(DSCompileNotSupportedError, match="partition_activations"):
+    with pytest.raises(DSCompileNotSupportedError) as info:
         ckpt.checkpoint(gm, ctx, ckpt.CheckpointOptions(policy="full", partition_activations=True))
+    message = str(info.value)
+    assert info.value.key == "activation_checkpointing.partition_activations"
+    assert "model-parallel" in message and "tensor/model parallelism" in message and "not built" in message
+    assert "data-parallel" in message and "nothing to partition" in message
+    assert "set partition_activations to false" in message
 
 
 def test_collectives_are_recomputed_only_when_marked() -> None:

@@ -1,0 +1,99 @@
+"""The three ZeRO operators a sharded model's forward calls, as PyTorch custom ops.
+
+They are opaque single nodes in the captured graphs, so the ``zero`` pass can find each
+parameter's gather and each gradient's reduce-scatter and replace them with functional
+collectives (``_c10d_functional.*`` + ``wait_tensor``) that later passes bucket and move.
+Run eagerly (or when no pass rewrote them) they do the same communication with blocking
+``torch.distributed`` calls, so a sharded model is correct with or without the passes.
+
+- ``zero_gather(shard, shape, numel, group)``: the full parameter from every rank's flat,
+  padded shard (ZeRO-3). Backward: ``zero_reduce_scatter`` of its gradient.
+- ``zero_use(shard, full, group)``: a parameter whose full copy stays on every rank (ZeRO-2,
+  and small ZeRO-3 parameters kept persistent); the value is ``full``, but the gradient
+  flows to ``shard`` through a reduce-scatter.
+- ``zero_reduce_scatter(grad, shard_numel, group)``: flatten, pad, reduce-scatter (sum) and
+  divide by the world size: the averaged gradient of this rank's shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def group_name_of(group: dist.ProcessGroup | None) -> str:
+    group = group if group is not None else dist.group.WORLD
+    return group.group_name
+
+
+@torch.library.custom_op("dscompile::zero_gather", mutates_args=())
+def zero_gather(shard: torch.Tensor, shape: list[int], numel: int, group: str) -> torch.Tensor:
+    pg = resolve_group(group)
+    world = dist.get_world_size(pg)
+    out = shard.new_empty(shard.numel() * world)
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=pg)
+    return out[:numel].view(shape)
+
+
+@zero_gather.register_fake
+def _zero_gather_fake(shard: torch.Tensor, shape: list[int], numel: int, group: str) -> torch.Tensor:
+    return shard.new_empty(shape)
+
+
+@torch.library.custom_op("dscompile::zero_reduce_scatter", mutates_args=())
+def zero_reduce_scatter(grad: torch.Tensor, shard_numel: int, group: str) -> torch.Tensor:
+    pg = resolve_group(group)
+    world = dist.get_world_size(pg)
+    flat = grad.reshape(-1)
+    padded = F.pad(flat, (0, shard_numel * world - flat.numel())).contiguous()
+    out = grad.new_empty(shard_numel)
+    dist.reduce_scatter_tensor(out, padded, group=pg)
+    return out.div_(world)
+
+
+@zero_reduce_scatter.register_fake
+def _zero_reduce_scatter_fake(grad: torch.Tensor, shard_numel: int, group: str) -> torch.Tensor:
+    return grad.new_empty(shard_numel)
+
+
+@torch.library.custom_op("dscompile::zero_use", mutates_args=())
+def zero_use(shard: torch.Tensor, full: torch.Tensor, group: str) -> torch.Tensor:
+    return full.clone()
+
+
+@zero_use.register_fake
+def _zero_use_fake(shard: torch.Tensor, full: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.empty_like(full)
+
+
+def _gather_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.shard_numel = inputs[0].numel()
+    ctx.group = inputs[3]
+
+
+def _gather_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+    return zero_reduce_scatter(grad, ctx.shard_numel, ctx.group), None, None, None
+
+
+def _use_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.shard_numel = inputs[0].numel()
+    ctx.group = inputs[2]
+
+
+def _use_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+    return zero_reduce_scatter(grad, ctx.shard_numel, ctx.group), None, None
+
+
+zero_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+zero_use.register_autograd(_use_backward, setup_context=_use_setup)
+
+GATHER = torch.ops.dscompile.zero_gather.default
+USE = torch.ops.dscompile.zero_use.default
+REDUCE_SCATTER = torch.ops.dscompile.zero_reduce_scatter.default

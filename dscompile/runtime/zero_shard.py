@@ -1,0 +1,330 @@
+"""Sharded parameters for ZeRO: flat, padded per-parameter shards and the module that uses them.
+
+Every parameter is flattened and padded to a multiple of the world size, so rank ``r`` owns
+elements ``[r*L, (r+1)*L)`` (``L = ceil(numel / N)``). The optimizer always steps these shards
+(ZeRO-1: partitioned optimizer states). ``ZeroModule`` runs the wrapped model with
+``torch.func.functional_call`` on tensors produced by the ops of ``zero_ops``: gathered shards
+(ZeRO-3) or the kept full copy whose gradient is reduce-scattered into the shard (ZeRO-2 and
+persistent ZeRO-3 parameters). ZeRO-1 keeps the model as it is and reduce-scatters the full
+gradients at the accumulation boundary (``ZeroPartition.reduce_gradients``).
+
+``shard_model(model, stage=3)`` is the torch-native entry: compile the result and give a plain
+``torch.optim`` optimizer its ``parameters()`` (the shards).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dscompile.errors import DSCompileConfigError, DSCompileError
+from dscompile.runtime import zero_ops
+
+OUT_OF_GRAPH_BUCKET_CAP = 64 << 20
+"""Largest flat buffer (bytes) the eager gather/reduce of ZeRO-1/2 builds at once."""
+
+
+@dataclass
+class ParamLayout:
+    """Where one (deduplicated) parameter lives: its full shape and its shard."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    shard_numel: int
+    persistent: bool
+    aliases: list[str] = field(default_factory=list)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "numel": self.numel,
+            "shard_numel": self.shard_numel,
+            "persistent": self.persistent,
+            "aliases": list(self.aliases),
+        }
+
+
+def shard_numel(numel: int, world: int) -> int:
+    return -(-numel // world) if numel else 0
+
+
+def shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's slice of the flat, zero-padded tensor (a fresh tensor)."""
+    length = shard_numel(full.numel(), world)
+    flat = F.pad(full.detach().reshape(-1), (0, length * world - full.numel()))
+    return flat[rank * length : (rank + 1) * length].clone()
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    *path, leaf = name.split(".")
+    return functools.reduce(getattr, path, module), leaf
+
+
+class ZeroPartition:
+    """The shards of a module's parameters and the out-of-graph collectives around them.
+
+    ``stage`` 1 and 2 keep every parameter's full copy; stage 3 frees the full copy of every
+    parameter with more than ``persistence_threshold`` elements.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        group: dist.ProcessGroup | None = None,
+        persistence_threshold: int = 0,
+        bucket_bytes: int = 500_000_000,
+        check_consistency: bool = True,
+    ) -> None:
+        if stage not in (1, 2, 3):
+            raise DSCompileConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage}")
+        self.module = module
+        self.stage = stage
+        self.group = group
+        self.rank, self.world = _world(group)
+        self.group_name = zero_ops.group_name_of(group) if self.world > 1 or dist.is_initialized() else ""
+        # Out-of-graph buckets are transient flat copies: cap them so ZeRO-1/2 never hold a second
+        # full copy of the model while refreshing parameters or reducing gradients.
+        self.bucket_bytes = max(1, min(int(bucket_bytes), OUT_OF_GRAPH_BUCKET_CAP))
+        aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise DSCompileError("ZeRO: the model has no trainable parameters to partition")
+        if check_consistency and self.world > 1:
+            check_same_parameters(named, group)
+        self.layouts: list[ParamLayout] = []
+        self.full_params: list[nn.Parameter] = []
+        shards = []
+        for name, p in named:
+            persistent = stage < 3 or p.numel() <= persistence_threshold
+            layout = ParamLayout(name, tuple(p.shape), p.numel(), shard_numel(p.numel(), self.world), persistent, aliases[id(p)])
+            self.layouts.append(layout)
+            self.full_params.append(p)
+            shards.append(nn.Parameter(shard_of(p, self.rank, self.world)))
+        self.shards: list[nn.Parameter] = shards
+        for layout, p in zip(self.layouts, self.full_params):
+            if stage >= 2:
+                p.requires_grad_(False)  # gradients flow to the shard, never to the full copy
+            if not layout.persistent:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    # -- names ---------------------------------------------------------------------------------
+    def named_shards(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for layout, shard in zip(self.layouts, self.shards):
+            yield layout.name, shard
+
+    def shard_for(self, param: torch.Tensor) -> nn.Parameter:
+        for p, shard in zip(self.full_params, self.shards):
+            if p is param:
+                return shard
+        raise DSCompileError("ZeRO: the optimizer holds a tensor that is not a parameter of the model; build it over model.parameters()")
+
+    # -- collectives outside the graphs --------------------------------------------------------
+    def _buckets(self, indices: Iterable[int]) -> Iterator[list[int]]:
+        bucket: list[int] = []
+        size = 0
+        for i in indices:
+            nbytes = self.layouts[i].shard_numel * self.world * self.shards[i].element_size()
+            if bucket and (size + nbytes > self.bucket_bytes or self.shards[i].dtype != self.shards[bucket[0]].dtype):
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(i)
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """ZeRO-1 at the accumulation boundary: average the full gradients into the shards' grads."""
+        have = [i for i, p in enumerate(self.full_params) if p.grad is not None]
+        for bucket in self._buckets(have):
+            rows = []
+            for i in bucket:
+                g = self.full_params[i].grad.reshape(-1)
+                rows.append(F.pad(g, (0, self.layouts[i].shard_numel * self.world - g.numel())).view(self.world, -1))
+            flat = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+            out = flat.new_empty(flat.numel() // self.world)
+            if self.world > 1:
+                dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.group)
+                out.div_(self.world)
+            else:
+                out.copy_(flat)
+            offset = 0
+            for i in bucket:
+                length = self.layouts[i].shard_numel
+                piece = out[offset : offset + length].clone()
+                shard = self.shards[i]
+                shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
+                offset += length
+        for p in self.full_params:
+            p.grad = None
+
+    @torch.no_grad()
+    def gather_full_params(self) -> None:
+        """After the optimizer step: refresh every persistent full copy from the updated shards."""
+        todo = [i for i, layout in enumerate(self.layouts) if layout.persistent]
+        for bucket in self._buckets(todo):
+            flat = torch.cat([self.shards[i].detach().reshape(-1) for i in bucket])
+            out = self._all_gather(flat).view(self.world, -1)
+            offset = 0
+            for i in bucket:
+                layout = self.layouts[i]
+                full = out[:, offset : offset + layout.shard_numel].reshape(-1)[: layout.numel]
+                self.full_params[i].data.copy_(full.view(layout.shape))
+                offset += layout.shard_numel
+
+    def _all_gather(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return flat.clone()
+        out = flat.new_empty(flat.numel() * self.world)
+        dist.all_gather_into_tensor(out, flat.contiguous(), group=self.group)
+        return out
+
+    @torch.no_grad()
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (gathered from the shards), under its first name."""
+        result: dict[str, torch.Tensor] = {}
+        for layout, shard in zip(self.layouts, self.shards):
+            full = self._all_gather(shard.detach().reshape(-1))[: layout.numel]
+            result[layout.name] = full.view(layout.shape).clone()
+        return result
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set shards (and persistent full copies) from full parameter values."""
+        for layout, shard, p in zip(self.layouts, self.shards, self.full_params):
+            value = _lookup(state, layout)
+            if tuple(value.shape) != layout.shape:
+                raise DSCompileError(f"ZeRO: parameter {layout.name} has shape {tuple(value.shape)} in the state, {layout.shape} in the model")
+            shard.copy_(shard_of(value.to(shard.dtype), self.rank, self.world))
+            if layout.persistent:
+                p.data.copy_(value.to(p.dtype))
+
+    def zero_grad(self) -> None:
+        for shard in self.shards:
+            shard.grad = None
+        for p in self.full_params:
+            p.grad = None
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Sum of squares of this rank's shard gradients, summed over ranks (the global norm²)."""
+        grads = [s.grad.detach().float() for s in self.shards if s.grad is not None]
+        local = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        if self.world > 1:
+            dist.all_reduce(local, group=self.group)
+        return local
+
+
+def _lookup(state: dict[str, torch.Tensor], layout: ParamLayout) -> torch.Tensor:
+    for name in [layout.name, *layout.aliases]:
+        if name in state:
+            return state[name]
+    raise DSCompileError(f"ZeRO: the state has no entry for parameter {layout.name}")
+
+
+def check_same_parameters(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None) -> None:
+    """Fail at start when ranks hold different parameter values (a seed or loading bug)."""
+    with torch.no_grad():
+        prints = []
+        for _, p in named:
+            flat = p.detach().reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(7).add_(1)
+            prints.append(torch.stack([flat.sum(), (flat * weights).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64)]))
+        mine = torch.stack(prints)
+        world = dist.get_world_size(group)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        if not torch.equal(theirs, gathered[0]):
+            row = int((theirs != gathered[0]).any(dim=1).nonzero()[0])
+            raise DSCompileError(
+                f"ZeRO: parameter '{named[row][0]}' differs between rank 0 and rank {rank}; every rank must start "
+                "from the same weights (seed the model identically, or load the same checkpoint on every rank)"
+            )
+
+
+class ZeroModule(nn.Module):
+    """Runs ``module`` on parameters built from shards by the ZeRO ops (stages 2 and 3)."""
+
+    def __init__(self, module: nn.Module, partition: ZeroPartition) -> None:
+        super().__init__()
+        if partition.stage < 2:
+            raise DSCompileError("ZeroModule wraps ZeRO stage 2 or 3; stage 1 keeps the model unwrapped")
+        self.module = module
+        self.zero_shards = nn.ParameterList(partition.shards)
+        object.__setattr__(self, "partition", partition)
+        self._plan = [(layout.name, layout.persistent, list(layout.shape), layout.numel) for layout in partition.layouts]
+        self._group = partition.group_name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tensors: dict[str, torch.Tensor] = {}
+        for (name, persistent, shape, numel), shard in zip(self._plan, self.zero_shards):
+            if persistent:
+                owner, leaf = _owner(self.module, name)
+                tensors[name] = torch.ops.dscompile.zero_use(shard, getattr(owner, leaf), self._group)
+            else:
+                tensors[name] = torch.ops.dscompile.zero_gather(shard, shape, numel, self._group)
+        return torch.func.functional_call(self.module, tensors, args, kwargs)
+
+
+def shard_model(
+    model: nn.Module,
+    stage: int = 3,
+    group: dist.ProcessGroup | None = None,
+    persistence_threshold: int = 0,
+) -> nn.Module:
+    """Torch-native ZeRO-2/3: returns a module whose ``parameters()`` are this rank's shards.
+
+    Compile it with ``torch.compile(m, backend="dscompile", options={"zero_optimization":
+    {"stage": stage}})`` and step a plain optimizer over ``m.parameters()``; for stage 2 call
+    ``m.partition.gather_full_params()`` after each optimizer step.
+    """
+    partition = ZeroPartition(model, stage, group, persistence_threshold)
+    return ZeroModule(model, partition)
+
+
+def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct storages among ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def model_state_tensors(partition: ZeroPartition, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The model-state tensors a rank holds: parameters (full copies and shards), grads, optimizer states."""
+    tensors: list[torch.Tensor] = []
+    for p in partition.full_params:
+        tensors.append(p.data)
+        tensors.append(p.grad)
+    for s in partition.shards:
+        tensors.append(s.data)
+        tensors.append(s.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return tensors

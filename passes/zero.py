@@ -1,0 +1,288 @@
+"""ZeRO stages 1-3: the ``zero_optimization`` config section and the collective-insertion pass.
+
+A ZeRO model (``dscompile.runtime.zero_shard``) reads its parameters through the custom ops
+``dscompile.zero_gather`` (ZeRO-3: gather the shards) and ``dscompile.zero_use`` (ZeRO-2 and
+persistent parameters: the kept full copy); their backward is ``dscompile.zero_reduce_scatter``.
+This pass works on them in three graphs:
+
+- joint: marks every gather (and use) ``MUST_RECOMPUTE`` so the partitioner does not keep the
+  full parameter alive from forward to backward: it is released after its last forward use and
+  gathered again in backward. Selective unsharding (``unshard_budget`` elements) instead keeps
+  the largest gathers that fit saved (``MUST_SAVE``), so the fewest bytes are re-gathered.
+- forward/backward: replaces each op with functional collectives (``_c10d_functional``
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` + ``wait_tensor``) plus the slicing
+  and the division by the world size around them, and moves every gather to just before its
+  first use (the model issues them all up front). ``zero_bucketing``, ``zero_prefetch`` and
+  ``zero_overlap`` then schedule these nodes.
+
+Metadata: the start node of each collective carries ``meta["dscompile"]["zero"]`` =
+``{"kind": "all_gather"|"reduce_scatter", "elements": full padded elements, "group": name,
+"world": N, "shard_numel": L, "members": 1}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from dscompile.config import parse_dataclass, register_section
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.graph import ds_meta, node_value, set_fake_value
+from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
+from dscompile.runtime import zero_ops
+
+log = logging.getLogger("dscompile.passes.zero")
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: DeepSpeed's ``zero_optimization`` keys (sizes in elements, as DeepSpeed counts them).
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ZeroConfig:
+    """``zero_optimization``. Sizes are numbers of elements, as in DeepSpeed; ``5e8`` is accepted.
+
+    ``overlap_comm`` defaults to DeepSpeed's: on for stage 3, off below. ``unshard_budget`` is
+    dscompile's own: elements of ZeRO-3 parameters that may stay gathered from forward to backward.
+    ``contiguous_gradients``, ``round_robin_gradients``, ``sub_group_size``,
+    ``stage3_max_reuse_distance`` and ``memory_efficient_linear`` are accepted and change nothing
+    here (they tune DeepSpeed's own buffers; the maths is the same). Offload, ZeRO++ and MiCS are refused.
+    """
+
+    stage: int = 0
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None
+    reduce_scatter: bool = True
+    reduce_bucket_size: int | float = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int | float = 500_000_000
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    stage3_prefetch_bucket_size: int | float = 50_000_000
+    stage3_param_persistence_threshold: int | float = 100_000
+    stage3_model_persistence_threshold: int | float = 1 << 62
+    stage3_max_live_parameters: int | float = 1_000_000_000
+    stage3_max_reuse_distance: int | float = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_gather_fp16_weights_on_model_save: bool = False
+    sub_group_size: int | float = 1_000_000_000
+    round_robin_gradients: bool = False
+    ignore_unused_parameters: bool = True
+    memory_efficient_linear: bool = True
+    offload_optimizer: dict | None = None
+    offload_param: dict | None = None
+    cpu_offload: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    mics_shard_size: int = -1
+    unshard_budget: int | float = 0
+
+    _SIZES = (
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "sub_group_size",
+        "unshard_budget",
+    )
+
+    def validate(self, path: str) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise DSCompileConfigError(f"{path}.stage", f"must be 0, 1, 2 or 3, got {self.stage}")
+        for key in self._SIZES:
+            value = getattr(self, key)
+            if value != int(value) or value < 0:
+                raise DSCompileConfigError(f"{path}.{key}", f"must be a whole number of elements >= 0, got {value}")
+            setattr(self, key, int(value))
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            if getattr(self, key) <= 0:
+                raise DSCompileConfigError(f"{path}.{key}", "must be positive")
+        for key in ("offload_optimizer", "offload_param"):
+            section = getattr(self, key)
+            if section is not None and section.get("device", "none") not in ("none", None):
+                raise DSCompileNotSupportedError(f"{path}.{key}", "ZeRO-Offload (CPU/NVMe offload)")
+        if self.cpu_offload:
+            raise DSCompileNotSupportedError(f"{path}.cpu_offload", "ZeRO-Offload (CPU/NVMe offload)")
+        if self.zero_hpz_partition_size > 1:
+            raise DSCompileNotSupportedError(f"{path}.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning")
+        if self.zero_quantized_weights or self.zero_quantized_gradients:
+            raise DSCompileNotSupportedError(f"{path}.zero_quantized_weights", "ZeRO++ quantized communication")
+        if self.mics_shard_size > 0:
+            raise DSCompileNotSupportedError(f"{path}.mics_shard_size", "MiCS sharding")
+        if not self.reduce_scatter:
+            log.info("%s.reduce_scatter=false: dscompile always reduce-scatters (same result as DeepSpeed's all-reduce path)", path)
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+
+    @property
+    def enabled(self) -> bool:
+        return self.stage > 0
+
+
+def _parse_section(value: Any, path: str) -> ZeroConfig:
+    return parse_dataclass(ZeroConfig, value, path)
+
+
+register_section("zero_optimization", _parse_section, "ZeRO optimization")
+
+
+def zero_config(config: Any) -> ZeroConfig | None:
+    """The parsed ``zero_optimization`` section, or None when ZeRO is off."""
+    section = getattr(config, "sections", {}).get("zero_optimization")
+    return section if section is not None and section.stage > 0 else None
+
+
+@register_config_rule(20, "zero")
+def _zero_rule(config: Any) -> list[Any]:
+    zc = zero_config(config)
+    if zc is None or zc.stage < 2:
+        return []  # ZeRO-1 communicates only at the accumulation boundary, outside the graphs
+    # ZeRO-3 gathers at most a prefetch bucket at once: a bigger all-gather bucket would undo the sharding.
+    gather_bucket = min(zc.allgather_bucket_size, zc.stage3_prefetch_bucket_size) if zc.stage == 3 else zc.allgather_bucket_size
+    items = [
+        invocation("zero", stage=zc.stage, unshard_budget=zc.unshard_budget),
+        invocation("zero_bucketing", allgather_bucket_size=max(1, gather_bucket), reduce_bucket_size=zc.reduce_bucket_size),
+    ]
+    if zc.stage == 3:
+        items.append(
+            invocation(
+                "zero_prefetch",
+                stage3_prefetch_bucket_size=zc.stage3_prefetch_bucket_size,
+                stage3_max_live_parameters=zc.stage3_max_live_parameters,
+            )
+        )
+    items.append(invocation("zero_overlap", overlap_comm=bool(zc.overlap_comm)))
+    return items
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ZeroPassOptions:
+    stage: int = 3
+    unshard_budget: int = 0
+
+
+def is_zero_start(node: torch.fx.Node, kind: str | None = None) -> bool:
+    info = node.meta.get("dscompile", {}).get("zero")
+    return info is not None and (kind is None or info["kind"] == kind)
+
+
+def new_node(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    node = graph.call_function(target, args, kwargs or {})
+    set_fake_value(node)
+    return node
+
+
+def _group_size(group: str) -> int | None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_world_size(zero_ops.resolve_group(group))
+
+
+@register_pass("zero", graphs=("joint", "forward", "backward"), options=ZeroPassOptions, provides=("zero",))
+def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptions) -> torch.fx.GraphModule:
+    """ZeRO: pin parameter gathers to recompute (joint), then turn the ZeRO ops into functional collectives."""
+    if ctx.graph_kind == "joint":
+        _mark_recompute(gm, options)
+        return gm
+    graph = gm.graph
+    counts = {"all_gather": 0, "reduce_scatter": 0, "use": 0}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is zero_ops.USE:
+            node.replace_all_uses_with(node.args[1])
+            graph.erase_node(node)
+            counts["use"] += 1
+        elif node.target is zero_ops.GATHER:
+            if _insert_gather(graph, node):
+                counts["all_gather"] += 1
+        elif node.target is zero_ops.REDUCE_SCATTER:
+            if _insert_reduce_scatter(graph, node):
+                counts["reduce_scatter"] += 1
+    ctx.analysis.setdefault("zero", {})[ctx.graph_kind] = counts
+    log.debug("%s: inserted %s", ctx.graph_name, counts)
+    return gm
+
+
+def _mark_recompute(gm: torch.fx.GraphModule, options: ZeroPassOptions) -> None:
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (zero_ops.GATHER, zero_ops.USE)]
+    keep: set[torch.fx.Node] = set()
+    budget = options.unshard_budget
+    if budget > 0:
+        # Selective unsharding: keeping the biggest gathers that fit re-gathers the fewest bytes.
+        sized = sorted((n for n in gathers if n.target is zero_ops.GATHER), key=lambda n: -int(n.args[2]))
+        for node in sized:
+            if int(node.args[2]) <= budget:
+                keep.add(node)
+                budget -= int(node.args[2])
+    for node in gathers:
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if node in keep else CheckpointPolicy.MUST_RECOMPUTE
+        ds_meta(node)["recomputable"] = node not in keep
+        ds_meta(node)["zero_unsharded"] = node in keep
+
+
+def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    shard, shape, numel, group = node.args
+    world = _group_size(group)
+    if world is None:
+        log.info("%s: no process group, leaving the eager zero_gather in place", node.name)
+        return False
+    length = node_value(shard).shape[0]
+    users = list(node.users)
+    with graph.inserting_before(node):
+        start = new_node(graph, c10d.all_gather_into_tensor.default, (shard, world, group))
+        wait = new_node(graph, c10d.wait_tensor.default, (start,))
+        value = wait
+        if numel != world * length:
+            value = new_node(graph, aten.slice.Tensor, (wait, 0, 0, numel))
+        value = new_node(graph, aten.view.default, (value, list(shape)))
+    ds_meta(start)["zero"] = {"kind": "all_gather", "elements": world * length, "group": group, "world": world, "shard_numel": length, "members": 1}
+    node.replace_all_uses_with(value)
+    graph.erase_node(node)
+    if users:
+        first = min(users, key=_position(graph))
+        chain = [start, wait] + ([value.args[0]] if value.args[0] is not wait else []) + [value]
+        for item in chain:
+            first.prepend(item)
+    return True
+
+
+def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    grad, length, group = node.args
+    world = _group_size(group)
+    if world is None:
+        log.info("%s: no process group, leaving the eager zero_reduce_scatter in place", node.name)
+        return False
+    numel = node_value(grad).numel()
+    with graph.inserting_before(node):
+        flat = new_node(graph, aten.reshape.default, (grad, [-1]))
+        if numel != world * length:
+            flat = new_node(graph, aten.constant_pad_nd.default, (flat, [0, world * length - numel]))
+        start = new_node(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
+        wait = new_node(graph, c10d.wait_tensor.default, (start,))
+        out = new_node(graph, aten.div.Tensor, (wait, world))
+    ds_meta(start)["zero"] = {"kind": "reduce_scatter", "elements": world * length, "group": group, "world": world, "shard_numel": length, "members": 1}
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return True
+
+
+def _position(graph: torch.fx.Graph) -> Any:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__

@@ -1,0 +1,75 @@
+"""Issue ZeRO-3 all-gathers ahead of their use (``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``).
+
+After insertion each gather starts right before its first use, so compute waits for every
+gather. This pass hoists each gather's start (and the concatenation feeding a bucket) to just
+after the wait of an earlier gather: gather ``i`` may start once gather ``j-1`` has been
+consumed, for the smallest ``j`` whose window ``j..i`` stays within the prefetch budget and the
+live-parameter limit (both in elements). Waits stay where the values are needed, so the
+communication of the next parameters overlaps the compute of the current ones. The issue order
+of collectives never changes, so every rank still issues them identically.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.fx
+
+from dscompile.graph import ds_meta
+from dscompile.passes.zero import is_zero_start
+from dscompile.passes.zero_schedule import ancestors_after, move_after, positions, sole_user
+from dscompile.pipeline import PassContext, register_pass
+
+log = logging.getLogger("dscompile.passes.zero_prefetch")
+
+
+@dataclass
+class ZeroPrefetchOptions:
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+
+
+@register_pass("zero_prefetch", graphs=("forward", "backward"), options=ZeroPrefetchOptions, requires=("zero",))
+def zero_prefetch(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPrefetchOptions) -> torch.fx.GraphModule:
+    """Hoist ZeRO-3 all-gather starts ahead of use, within the prefetch and live-parameter budgets."""
+    graph = gm.graph
+    starts = [n for n in graph.nodes if is_zero_start(n, "all_gather")]
+    if len(starts) < 2:
+        return gm
+    waits = [sole_user(s) for s in starts]
+    sizes = [ds_meta(s)["zero"]["elements"] for s in starts]
+    limit = min(options.stage3_prefetch_bucket_size, options.stage3_max_live_parameters)
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    window_start, window = 0, 0
+    cursor: torch.fx.Node | None = None
+    cursor_anchor: torch.fx.Node | None = None
+    hoisted = 0
+    plan = []
+    for i, size in enumerate(sizes):
+        window += size
+        while window_start < i and window > limit:
+            window -= sizes[window_start]
+            window_start += 1
+        plan.append(window_start)
+    for i, start in enumerate(starts):
+        j = plan[i]
+        if j == i:
+            cursor, cursor_anchor = None, None
+            continue  # no room to prefetch: start where it is
+        anchor = last_placeholder if j == 0 else waits[j - 1]
+        order = positions(graph)
+        if order[anchor] >= order[start]:
+            continue
+        if cursor is not None and cursor_anchor is anchor:
+            anchor_point = cursor  # keep the issue order of gathers sharing an anchor
+        else:
+            anchor_point = anchor
+        chain = ancestors_after(start, anchor_point, order) + [start]
+        cursor = move_after(anchor_point, chain)
+        cursor_anchor = anchor
+        ds_meta(start)["zero"]["prefetch_after"] = anchor.name
+        hoisted += 1
+    log.debug("%s: %d of %d all-gathers prefetched", ctx.graph_name, hoisted, len(starts))
+    ctx.analysis.setdefault("zero_prefetch", {})[ctx.graph_name] = {"gathers": len(starts), "prefetched": hoisted}
+    return gm

@@ -1,0 +1,72 @@
+"""Graph-order helpers the ZeRO scheduling passes share (no pass is registered here).
+
+Scheduling collectives means moving nodes: a start earlier (prefetch), a wait later (overlap),
+several collectives into one (bucketing). These helpers keep the graph topologically valid
+while changing the order as little as possible.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+import torch
+import torch.fx
+
+from dscompile.errors import DSCompilePassError
+
+
+def positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def stable_toposort(graph: torch.fx.Graph) -> None:
+    """Reorder so every node follows its inputs, keeping the current order wherever it already does."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [index[n] for n in nodes if pending[n] == 0]
+    heapq.heapify(ready)
+    order: list[torch.fx.Node] = []
+    while ready:
+        node = nodes[heapq.heappop(ready)]
+        order.append(node)
+        for user in node.users:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, index[user])
+    if len(order) != len(nodes):
+        raise DSCompilePassError("zero scheduling: the graph has a cycle after rewriting")
+    for before, after in zip(order, order[1:], strict=False):
+        if before.next is not after:
+            before.append(after)
+
+
+def move_after(anchor: torch.fx.Node, nodes: Iterable[torch.fx.Node]) -> torch.fx.Node:
+    """Place ``nodes`` (in the given order) right after ``anchor``; returns the last one placed."""
+    cursor = anchor
+    for node in nodes:
+        if cursor.next is not node:
+            cursor.append(node)
+        cursor = node
+    return cursor
+
+
+def ancestors_after(node: torch.fx.Node, anchor: torch.fx.Node, order: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
+    """Non-placeholder inputs (transitively) of ``node`` that sit after ``anchor``, in graph order."""
+    found: set[torch.fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        item = stack.pop()
+        if item in found or item.op == "placeholder" or order[item] <= order[anchor]:
+            continue
+        found.add(item)
+        stack.extend(item.all_input_nodes)
+    return sorted(found, key=order.__getitem__)
+
+
+def sole_user(node: torch.fx.Node) -> torch.fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        raise DSCompilePassError(f"zero scheduling: collective {node.name} should have one wait, has {len(users)} users")
+    return users[0]

@@ -1,0 +1,298 @@
+"""ZeRO beyond the core stages: torch-native sharding, dynamic lengths, unsharding, scheduling, bad input.
+
+The distributed checks share spawns (one rank function runs several engines) to keep the
+suite short; config checks run in-process.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_zero import LR, _bucket_check, _case, _collective_counts, _config, _micro_batch, assert_params_close
+
+import dscompile
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.runtime.zero_shard import shard_model, shard_of
+from dscompile.testing.distributed import DistributedTestError, requires_backend, run_distributed, run_distributed_or_fail
+
+distributed = [pytest.mark.slow, pytest.mark.distributed, requires_backend("gloo")]
+
+GATHER = "_c10d_functional.all_gather_into_tensor"
+SCATTER = "_c10d_functional.reduce_scatter_tensor"
+WAIT = "_c10d_functional.wait_tensor"
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: config and sharding arithmetic.
+# ---------------------------------------------------------------------------------------------
+def test_config_section_and_pipeline() -> None:
+    from dscompile.pipeline import pipeline_from_config
+
+    cfg = dscompile.load_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 1e6}})
+    zc = cfg.sections["zero_optimization"]
+    assert zc.reduce_bucket_size == 500_000_000 and zc.overlap_comm is True
+    specs = [inv.spec() for inv in pipeline_from_config(cfg)]
+    assert specs[:4] == ["zero", "zero_bucketing(allgather_bucket_size=1000000)", "zero_prefetch(stage3_prefetch_bucket_size=1000000)", "zero_overlap"]
+    stage2 = [inv.name for inv in pipeline_from_config(dscompile.load_config({"zero_optimization": {"stage": 2}}))]
+    assert "zero_prefetch" not in stage2 and stage2[:2] == ["zero", "zero_bucketing"]
+    assert [inv.name for inv in pipeline_from_config(dscompile.load_config({"zero_optimization": {"stage": 1}}))][0] != "zero"
+
+
+@pytest.mark.parametrize(
+    "section,error,key",
+    [
+        ({"stage": 4}, DSCompileConfigError, "zero_optimization.stage"),
+        ({"stage": 3, "offload_param": {"device": "cpu"}}, DSCompileNotSupportedError, "zero_optimization.offload_param"),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, DSCompileNotSupportedError, "zero_optimization.offload_optimizer"),
+        ({"stage": 3, "reduce_bucket_sise": 10}, DSCompileConfigError, "zero_optimization.reduce_bucket_sise"),
+        ({"stage": 3, "reduce_bucket_size": 2.5}, DSCompileConfigError, "zero_optimization.reduce_bucket_size"),
+        ({"stage": 3, "zero_quantized_weights": True}, DSCompileNotSupportedError, "zero_optimization.zero_quantized_weights"),
+    ],
+)
+def test_config_refusals(section: dict, error: type, key: str) -> None:
+    with pytest.raises(error) as info:
+        dscompile.load_config({"zero_optimization": section})
+    assert info.value.key == key
+
+
+def test_offload_none_is_accepted() -> None:
+    cfg = dscompile.load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}})
+    assert cfg.sections["zero_optimization"].stage == 3
+
+
+def test_shards_pad_to_the_world_size() -> None:
+    full = torch.arange(10.0)
+    shards = [shard_of(full, r, 4) for r in range(4)]
+    assert [s.numel() for s in shards] == [3, 3, 3, 3]
+    assert torch.equal(torch.cat(shards)[:10], full) and torch.equal(shards[3][1:], torch.zeros(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed: one spawn, several engines.
+# ---------------------------------------------------------------------------------------------
+class _RankZeroOverflow:
+    """A loss scaler that reports an overflow on rank 0 only, at its second call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.updates: list[bool] = []
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_and_check(self, parameters: list) -> bool:
+        self.calls += 1
+        return self.calls == 2 and dist.get_rank() == 0
+
+    def update(self, overflow: bool) -> None:
+        self.updates.append(overflow)
+
+
+def features_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    # 1. Torch-native: shard, compile with the dscompile backend, a plain torch.optim optimizer.
+    torch.manual_seed(0)
+    case = _case("gpt")
+    sharded = shard_model(case.model, stage=3)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=LR, weight_decay=0.01)
+    compiled = torch.compile(sharded, backend="dscompile", options={"zero_optimization": {"stage": 3}, "lower": "eager"})
+    losses = []
+    for step in range(3):
+        loss = compiled(*_micro_batch(case, step, 0, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    out["native_losses"] = losses
+    out["native_params"] = sharded.partition.full_state()
+    torch._dynamo.reset()
+
+    # 2. Different sequence lengths at every step and on every rank: no hang, few compiles.
+    torch.manual_seed(0)
+    case = _case("gpt")
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0))
+    torch._dynamo.utils.counters.clear()
+    var_losses = []
+    for step in range(5):
+        length = 4 + (step + rank) % 5
+        idx, tgt = _micro_batch(case, step, 0, rank)
+        loss = engine(idx[:, :length], tgt[:, :length])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        var_losses.append(float(total) / world)
+    out["var_losses"] = var_losses
+    out["var_params"] = engine.full_parameters()
+    out["var_compiles"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+
+    # 3. Selective unsharding + one bucket for everything: exact collective counts, same numbers.
+    torch.manual_seed(0)
+    case = _case("gpt")
+    dump = f"{dump_root}/unshard_rank{rank}"
+    big = {"unshard_budget": 10**9, "reduce_bucket_size": 10**9, "allgather_bucket_size": 10**9, "stage3_prefetch_bucket_size": 10**9}
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0, big, dump))
+    for step in range(3):
+        loss = engine(*_micro_batch(case, step, 0, rank))
+        engine.backward(loss)
+        engine.step()
+    out["unshard_params"] = engine.full_parameters()
+    out["unshard_counts"] = _collective_counts(dump)
+    torch._dynamo.reset()
+
+    # 4. Small buckets, prefetch: the dump shows each pass; the gathers run ahead of use.
+    torch.manual_seed(0)
+    case = _case("gpt")
+    dump = f"{dump_root}/prefetch_rank{rank}"
+    small = {"reduce_bucket_size": 1500, "allgather_bucket_size": 1500, "stage3_prefetch_bucket_size": 3000}
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0, small, dump))
+    loss = engine(*_micro_batch(case, 0, 0, rank))
+    engine.backward(loss)
+    engine.step()
+    out["prefetch_counts"] = _collective_counts(dump)
+    out["bucket_check"] = _bucket_check(dump, world, small, 3)
+    torch._dynamo.reset()
+
+    # 5. A loss scaler reporting overflow on rank 0 only: every rank skips that step.
+    torch.manual_seed(0)
+    case = _case("gpt")
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(2, 1, 0.0))
+    engine.loss_scaler = _RankZeroOverflow()
+    snapshots = []
+    for step in range(3):
+        loss = engine(*_micro_batch(case, step, 0, rank))
+        engine.backward(loss)
+        engine.step()
+        snapshots.append(engine.full_parameters()["wte.weight"])
+    out["skip"] = {"skipped": engine.skipped_steps, "updates": engine.loss_scaler.updates, "same_after_skip": torch.equal(snapshots[0], snapshots[1])}
+    return out
+
+
+def _reference(steps: int, lengths: Any = None, world: int = 2) -> dict[str, Any]:
+    """Eager single process; per-rank losses averaged (ranks may see different lengths)."""
+    case = _case("gpt")
+    net = case.model
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for rank in range(world):
+            idx, tgt = _micro_batch(case, step, 0, rank)
+            if lengths is not None:
+                length = lengths(step, rank)
+                idx, tgt = idx[:, :length], tgt[:, :length]
+            loss = net(idx, tgt) / world
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in net.named_parameters()}}
+
+
+def _close(a: Any, b: Any) -> None:
+    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_zero_features_on_two_ranks(tmp_path: Path) -> None:
+    results = run_distributed_or_fail(features_rank, 2, str(tmp_path), timeout=300)
+    r0 = results[0]
+
+    ref3 = _reference(3)
+    _close(r0["native_losses"], ref3["losses"])
+    for name, value in ref3["params"].items():
+        assert_params_close(r0["native_params"][name], value, name)
+        assert_params_close(r0["unshard_params"][name], value, name)
+
+    ref_var = _reference(5, lambda step, rank: 4 + (step + rank) % 5)
+    for r in results:
+        _close(r["var_losses"], ref_var["losses"])
+        assert r["var_compiles"] <= 3, r["var_compiles"]  # static, then dynamic: not one per length
+    for name, value in ref_var["params"].items():
+        assert_params_close(r0["var_params"][name], value, name)
+
+    # One bucket each way; the unsharded parameters are not gathered again in backward.
+    assert r0["unshard_counts"]["forward"] == {GATHER: 1, WAIT: 1}
+    assert r0["unshard_counts"]["backward"] == {SCATTER: 1, WAIT: 1}
+
+    # Small buckets: the counts are what greedy bucketing over the layouts gives.
+    for what, after, expected in r0["bucket_check"]:
+        assert after == expected, (what, after, expected)
+    fwd, bwd = r0["prefetch_counts"]["forward"], r0["prefetch_counts"]["backward"]
+    assert fwd[GATHER] >= 3 and bwd[SCATTER] >= 3 and bwd[GATHER] == fwd[GATHER]
+    passes = sorted(p.name for p in next((tmp_path / "prefetch_rank0").glob("*.forward")).iterdir() if p.is_dir())
+    assert [p.split("_", 1)[1] for p in passes][:5] == ["captured", "zero", "zero_bucketing", "zero_prefetch", "zero_overlap"]
+    code = (next((tmp_path / "prefetch_rank0").glob("*.forward")) / passes[3] / "code.py").read_text()
+    assert _gathers_issued_ahead(code) >= 1
+
+    for r in results:
+        assert r["skip"]["skipped"] == 1 and r["skip"]["updates"] == [False, True, False] and r["skip"]["same_after_skip"]
+
+
+def _gathers_issued_ahead(code: str) -> int:
+    """How many all-gathers start before the wait of the previous one (a prefetched gather)."""
+    lines = [line for line in code.splitlines() if "all_gather_into_tensor" in line or "wait_tensor" in line]
+    ahead, open_gathers = 0, 0
+    for line in lines:
+        if "all_gather_into_tensor" in line:
+            if open_gathers:
+                ahead += 1
+            open_gathers += 1
+        else:
+            open_gathers = max(0, open_gathers - 1)
+    return ahead
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input on real ranks.
+# ---------------------------------------------------------------------------------------------
+def mismatched_rank(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    case = _case("gpt")
+    if rank == 1:
+        with torch.no_grad():
+            case.model.blocks[0].mlp.fc.weight[0, 0] += 1e-3
+    dscompile.initialize(model=case.model, config=_config(3, 1, 0.0))
+
+
+def stalled_rank(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    case = _case("gpt")
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0))
+    if rank == 1:
+        time.sleep(60)  # never reaches the first collective in time
+    start = time.monotonic()
+    loss = engine(*_micro_batch(case, 0, 0, rank))
+    engine.backward(loss)
+    return time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_parameters_differing_across_ranks_are_refused() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(mismatched_rank, 2, timeout=120)
+    assert "blocks.0.mlp.fc.weight" in str(info.value) and "differs between rank 0 and rank 1" in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_a_stalled_rank_fails_the_others_with_a_timeout() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(stalled_rank, 2, timeout=90, collective_timeout=5)
+    assert info.value.rank == 0 and "timed out" in str(info.value).lower()
+
