@@ -3,7 +3,8 @@
 Each ``call_module`` region left by the ``fuse`` pass (the lowering runs the partitioning
 itself when the pipeline had no ``fuse``) is replaced by a ``TritonRegion`` that launches the
 region's kernel; regions the codegen rejects keep their FX submodule and run op by op, with
-the reason logged. Matmul-plus-epilogue patterns use kernels/matmul_epilogue.py on a GPU.
+the reason logged. On a GPU, matmuls with a bias/activation/residual epilogue are folded into
+one kernels/matmul_epilogue.py template call before the regions are formed.
 """
 
 from __future__ import annotations
@@ -47,11 +48,20 @@ def _var_mean_decomposition(x: torch.Tensor, dim: Any = None, *, correction: Any
 
 
 def triton_decompositions() -> dict:
-    """Inductor's table (layer norm, softmax, gelu, losses → pointwise + reductions) plus var_mean."""
+    """Inductor's table (layer norm, softmax, losses → pointwise + reductions) plus var_mean.
+
+    ``gelu`` and ``silu`` stay whole: the codegen has rules for them and the matmul-epilogue
+    template matches them as activations.
+    """
+    from dscompile.backends.triton_kernels_cache import ensure_runnable
+
+    ensure_runnable()  # before Inductor's import pulls in triton
     from torch._inductor.decomposition import select_decomp_table
 
     table = dict(select_decomp_table())
     table[aten.var_mean.correction] = _var_mean_decomposition
+    for op in (aten.gelu.default, aten.silu.default):
+        table.pop(op, None)
     return table
 
 
@@ -99,6 +109,10 @@ def lower_regions(gm: torch.fx.GraphModule, ctx: Any = None) -> dict[str, Any]:
     from dscompile.passes.fusion import REGION_PREFIX, fuse_regions
 
     if not any(n.op == "call_module" and str(n.target).startswith(REGION_PREFIX) for n in gm.graph.nodes):
+        if ctx is not None:  # a real compile without the fuse pass (tests call this on bare graphs)
+            from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues
+
+            fold_matmul_epilogues(gm)
         fuse_regions(gm)
     results: dict[str, Any] = {}
     for node in gm.graph.nodes:
@@ -126,15 +140,20 @@ def lower_triton(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: A
     """Fused regions become generated Triton kernels; matmuls and the rest run as aten calls."""
     from torch._functorch.aot_autograd import make_boxed_func
 
-    from dscompile.kernels.matmul_epilogue import apply_matmul_epilogues
+    from dscompile.backends.triton_kernels_cache import interpreting
 
+    devices = {a.device.type for a in example_inputs if isinstance(a, torch.Tensor)}
+    if devices == {"cpu"} and torch.cuda.is_available() and not interpreting():
+        # Compiled kernels take GPU tensors; CPU tensors on a GPU machine run the graph as aten.
+        log.warning("%s: CPU tensors on a machine with CUDA: regions run as aten (set TRITON_INTERPRET=1 to interpret)", getattr(ctx, "graph_name", "graph"))
+        return make_boxed_func(gm.forward)
     results = lower_regions(gm, ctx)
-    apply_matmul_epilogues(gm)
     gm.recompile()
     from dscompile.backends.triton_kernels_cache import LOWERED_GRAPHS
 
     sources = [r for r in results.values() if isinstance(r, KernelSource)]
-    summary = {"regions": len(results), "kernels": len(sources), "kernel_names": [s.name for s in sources]}
+    templates = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("dscompile", {}).get("kernel") == "matmul_epilogue")
+    summary = {"regions": len(results), "kernels": len(sources), "kernel_names": [s.name for s in sources], "matmul_templates": templates}
     if ctx is not None:
         ctx.analysis.setdefault("triton", {})[ctx.graph_name] = summary
         LOWERED_GRAPHS[ctx.graph_name] = summary

@@ -380,6 +380,8 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         return None if node.op in ("placeholder", "output", "get_attr") else f"{node.op} is not generated"
     if is_collective(node):
         return "collective: kept as a call so its overlap is preserved"
+    if node.meta.get("dscompile", {}).get("kernel") == "matmul_epilogue":
+        return "matmul + epilogue: runs as the Triton matmul template"
     target = node.target
     name = op_name(node)
     if target in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default):

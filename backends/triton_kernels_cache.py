@@ -8,7 +8,9 @@ benchmark's kernel counts.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import sys
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -35,8 +37,33 @@ _CACHE: dict[str, CompiledKernel] = {}
 _LOCK = threading.Lock()
 
 
+log = logging.getLogger("dscompile.backends.triton")
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def ensure_runnable() -> None:
+    """Without a GPU, generated kernels can only run in Triton's interpreter: switch it on.
+
+    Triton decides at decoration time, and ``triton.language`` decorates its own helpers
+    (``tl.sum``...) when imported, so this works only before triton is imported (the triton
+    lowering calls it when a compile starts); after that it raises a clear error.
+    """
+    if interpreting() or torch.cuda.is_available():
+        return
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(getattr(standard, "sum", None)).__name__ != "InterpretedFunction":
+        from dscompile.errors import DSCompileConfigError
+
+        raise DSCompileConfigError(
+            "lower",
+            "'triton' without a GPU runs Triton's interpreter, which must be on before triton is imported, and triton is already imported",
+            "start Python with TRITON_INTERPRET=1 in the environment, or use lower='inductor' (the CPU default)",
+        )
+    log.warning("no CUDA device: running dscompile's Triton kernels in Triton's interpreter (TRITON_INTERPRET=1), which is slow")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _source_dir() -> Path:
@@ -67,6 +94,7 @@ class CompiledKernel:
     def __init__(self, src: KernelSource) -> None:
         import triton
 
+        ensure_runnable()
         self.src = src
         path = _source_dir() / f"{src.name}.py"
         if not path.exists() or path.read_text() != src.source:

@@ -61,6 +61,8 @@ def bench(name: str, seq_len: int, steps: int) -> dict:
     graphs = dict(kc.LOWERED_GRAPHS)
     row["regions"] = sum(g["regions"] for g in graphs.values())
     row["kernels"] = sum(g["kernels"] for g in graphs.values())
+    # matmul + epilogue template calls (GPU only): extra kernels beside the generated regions
+    row["mm_templates"] = sum(g.get("matmul_templates", 0) for g in graphs.values())
     before = kc.STATS.launches
     model.zero_grad()
     _step(compiled, batch)

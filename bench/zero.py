@@ -4,6 +4,8 @@ World size 2 on gloo (CPU), a GPT-style model (default ~55M parameters), the sam
 AdamW for every peer. Each peer runs in its own spawn of ranks (so memory is its own):
 
 - ``dscompile-z1/2/3``: ``dscompile.initialize`` with ``zero_optimization.stage`` 1/2/3.
+- ``dscompile-z3-profiled``: ZeRO-3 with ``profile_steps`` (``--profile-steps``, in the warm-up): the
+  plan is measured, agreed across ranks and recompiled once before the steady steps.
 - ``deepspeed-z1/2/3``: DeepSpeed 0.19.8's engine (``pip install deepspeed``), gloo, torch AdamW.
 - ``fsdp2``, ``fsdp2-compiled``: ``fully_shard`` per block and the root, eager and torch.compile.
 
@@ -13,6 +15,7 @@ minus the resident size before the model was built. Prints one table with ratios
 DeepSpeed ZeRO-3 and to FSDP2, and each peer's losses (they must agree).
 
     python bench/zero.py [--d-model 768 --layers 6 --vocab 16384 --seq 128 --batch 2] [--steps 4]
+    python bench/zero.py --peers dscompile-z3,dscompile-z3-profiled --profile-steps 1 --warmup 3
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PEERS = ["dscompile-z1", "dscompile-z2", "dscompile-z3", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3", "fsdp2", "fsdp2-compiled"]
+PEERS = ["dscompile-z1", "dscompile-z2", "dscompile-z3", "dscompile-z3-profiled", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3", "fsdp2", "fsdp2-compiled"]
 LR = 1e-4
 
 
@@ -87,11 +90,12 @@ def _build(peer: str, case: Any, args: dict[str, Any]) -> Any:
     if peer.startswith("dscompile"):
         import dscompile
 
-        stage = int(peer[-1])
+        stage = int(peer.split("-")[1][1:])
+        profile_steps = args["profile_steps"] if peer.endswith("-profiled") else 0  # DeepCompile-style re-planning
         config = {
             "train_micro_batch_size_per_gpu": args["batch"],
             "optimizer": _adamw_section(),
-            "zero_optimization": {"stage": stage, "overlap_comm": True, "stage3_param_persistence_threshold": 1e4},
+            "zero_optimization": {"stage": stage, "overlap_comm": True, "stage3_param_persistence_threshold": 1e4, "profile_steps": profile_steps},
             "lower": args["lower"],
         }
         engine, _, _, _ = dscompile.initialize(model=model, config=config)
@@ -178,13 +182,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (compilation happens here)")
     parser.add_argument("--lower", default="inductor", choices=["eager", "inductor"], help="dscompile's lowering")
+    parser.add_argument("--profile-steps", type=int, default=1, help="dscompile-z3-profiled: steps profiled before re-planning (in warm-up)")
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--timeout", type=float, default=1200)
     opts = parser.parse_args()
+    if opts.profile_steps < 1 or opts.warmup <= opts.profile_steps:
+        parser.error("need 1 <= --profile-steps < --warmup: the profiled steps and the recompile after them are not steady steps")
     from dscompile.testing.distributed import DistributedRunError, run_distributed
 
     args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
-            "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower}
+            "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "profile_steps": opts.profile_steps}
     results: dict[str, dict[str, Any]] = {}
     for peer in opts.peers.split(","):
         torch._dynamo.reset()
@@ -203,17 +210,20 @@ def main() -> None:
     if not results:
         return
     params = next(iter(results.values()))["params"]
-    print(f"\nGPT {params / 1e6:.1f}M params, world 2 gloo, batch {opts.batch}x{opts.seq}/rank, dscompile lowering {opts.lower}")
+    print(
+        f"\nGPT {params / 1e6:.1f}M params, world 2 gloo, batch {opts.batch}x{opts.seq}/rank, dscompile lowering {opts.lower}, "
+        f"dscompile-z3-profiled re-plans after {opts.profile_steps} profiled step(s)"
+    )
     ref_time = results.get("deepspeed-z3", {}).get("step_s")
     fsdp_time = results.get("fsdp2", {}).get("step_s")
-    header = f"{'peer':16} {'step ms':>9} {'vs DS-z3':>9} {'vs FSDP2':>9} {'peak MiB':>9}  losses"
+    header = f"{'peer':22} {'step ms':>9} {'vs DS-z3':>9} {'vs FSDP2':>9} {'peak MiB':>9}  losses"
     print(header)
     print("-" * len(header))
     for peer, r in results.items():
         vs_ds = f"{r['step_s'] / ref_time:.2f}x" if ref_time else "-"
         vs_fsdp = f"{r['step_s'] / fsdp_time:.2f}x" if fsdp_time else "-"
         losses = " ".join(f"{v:.4f}" for v in r["losses"])
-        print(f"{peer:16} {r['step_s'] * 1e3:9.0f} {vs_ds:>9} {vs_fsdp:>9} {r['peak_bytes'] / 2**20:9.0f}  {losses}")
+        print(f"{peer:22} {r['step_s'] * 1e3:9.0f} {vs_ds:>9} {vs_fsdp:>9} {r['peak_bytes'] / 2**20:9.0f}  {losses}")
 
 
 if __name__ == "__main__":

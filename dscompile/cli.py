@@ -73,7 +73,8 @@ def _call_factory(factory: Callable[[], Any], target: str) -> tuple[Any, tuple]:
 def _step_dirs(out: Path, after: str | None) -> list[Path]:
     chosen = []
     for graph_dir in sorted(p for p in out.iterdir() if p.is_dir()):
-        steps = sorted(p for p in graph_dir.iterdir() if p.is_dir())
+        # Step directories are NN_pass; others (the Triton lowering's kernels/) are not steps.
+        steps = sorted(p for p in graph_dir.iterdir() if p.is_dir() and p.name.split("_", 1)[0].isdigit() and "_" in p.name)
         if after is not None:
             steps = [s for s in steps if s.name.split("_", 1)[1] == after]
         if steps:
@@ -131,6 +132,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
             if not svg.is_file():
                 raise CLIError("SVG needs Graphviz's 'dot' on PATH (apt-get install graphviz); --format dot works without it")
             print(svg)
+        regions = step.parent / "regions.txt"  # written by the fuse pass and the Triton lowering
+        if args.format in ("text", "table") and regions.is_file():
+            print(f"== {step.parent.name}: fusion regions and the nodes left out ==")
+            print(regions.read_text())
     if args.format == "html":
         for page in sorted(out.glob("*.html")):
             print(page)
@@ -215,10 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interpret_triton_without_gpu() -> None:
+    """Without CUDA, Triton kernels (``lower=triton``, sparse attention) only run in Triton's
+    interpreter, which must be switched on before anything imports triton."""
+    import os
+
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from dscompile.errors import DSCompileError
 
     args = build_parser().parse_args(argv)
+    _interpret_triton_without_gpu()
     try:
         return args.func(args)
     except (CLIError, DSCompileError) as exc:

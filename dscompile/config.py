@@ -182,7 +182,6 @@ _declare_unbuilt(
 # Top-level scalar keys of DeepSpeed that only make sense with capabilities not built yet.
 _UNBUILT_FLAGS: dict[str, tuple[Any, str]] = {
     "zero_force_ds_cpu_optimizer": (False, "ZeRO-Offload"),
-    "communication_data_type": (None, "mixed-precision communication"),
     "seq_parallel_communication_data_type": (None, "sequence parallelism"),
     "sparse_gradients": (False, "sparse gradients"),
     "fp32_reduce_scatter": (False, "ZeRO optimization"),

@@ -143,6 +143,7 @@ class DumpStep:
     summary: dict[str, Any]
     code: str
     svg: str | None
+    nodes: str = ""
 
 
 class Dumper:
@@ -169,7 +170,8 @@ class Dumper:
         directory.mkdir(parents=True, exist_ok=True)
         code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
         (directory / "code.py").write_text(code)
-        (directory / "nodes.txt").write_text(node_table(gm))
+        table = node_table(gm)
+        (directory / "nodes.txt").write_text(table)
         dot_text = to_dot(gm, f"{ctx.graph_name} after {pass_name}")
         (directory / "graph.dot").write_text(dot_text)
         # Graphviz's layout time grows fast with size: big graphs get DOT only (render it yourself).
@@ -183,7 +185,7 @@ class Dumper:
             summary["pass"] = {"spec": record.pass_spec, "seconds": record.seconds, "nodes_before": record.nodes_before}
         (directory / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         compile_name = ctx.graph_name.split(".")[0]
-        self.steps.setdefault(compile_name, []).append(DumpStep(ctx.graph_name, step, pass_name, directory, summary, code, svg))
+        self.steps.setdefault(compile_name, []).append(DumpStep(ctx.graph_name, step, pass_name, directory, summary, code, svg, table))
         self._write_html(compile_name)
         return directory
 
@@ -205,6 +207,7 @@ def render_html(title: str, steps: list[DumpStep]) -> str:
                 "summary": {k: s.summary.get(k) for k in _SUMMARY_KEYS} | {"collectives": s.summary.get("collectives")},
                 "ops": s.summary.get("nodes_by_op"),
                 "code": s.code,
+                "nodes": s.nodes,
                 "svg": s.svg or "",
             }
         )
@@ -220,7 +223,9 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 6px;t
 <div><button id="prev">&larr; previous pass</button><button id="next">next pass &rarr;</button>
 <select id="step"></select></div>
 <h2 id="label"></h2><table id="summary"></table><h3>Ops</h3><table id="ops"></table>
-<h3>Code</h3><pre id="code"></pre><h3>Graph</h3><div id="svg"></div>
+<h3>Code</h3><pre id="code"></pre>
+<h3>Nodes (dscompile metadata: parameters, stages, fusion regions and why a node was left out)</h3><pre id="nodes"></pre>
+<h3>Graph</h3><div id="svg"></div>
 <script>
 const steps = {data};
 const sel = document.getElementById('step');
@@ -233,6 +238,7 @@ function show(i) {{
   document.getElementById('summary').innerHTML = rows(s.summary);
   document.getElementById('ops').innerHTML = rows(s.ops);
   document.getElementById('code').textContent = s.code;
+  document.getElementById('nodes').textContent = s.nodes;
   document.getElementById('svg').innerHTML = s.svg || '<p>(no SVG: no Graphviz, or the graph is too large; see graph.dot)</p>';
 }}
 sel.onchange = () => show(+sel.value);

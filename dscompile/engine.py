@@ -21,7 +21,7 @@ import os
 import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,10 @@ from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
-from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition
+from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
+
+if TYPE_CHECKING:
+    from dscompile.runtime.pipeline_engine import PipelineEngine
 
 log = logging.getLogger("dscompile.engine")
 
@@ -86,6 +89,10 @@ class DSCompileEngine(nn.Module):
         compile_model: bool = True,
     ) -> None:
         super().__init__()
+        if config.sections.get("pipeline_parallel") is not None:
+            raise DSCompileConfigError(
+                "pipeline", "DSCompileEngine does not run pipeline parallelism", "use dscompile.initialize(...), which returns a PipelineEngine for it"
+            )
         self.module = model
         self.config = config
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -97,6 +104,9 @@ class DSCompileEngine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
+        # dtype of the gradient reductions done here (set from ``communication_data_type`` by the
+        # mixed-precision extension); None reduces in the gradients' own dtype.
+        self.communication_data_type: torch.dtype | None = None
         self.zero_config = _zero_section(config)
         self.zero: ZeroPartition | None = None
         self.zero_module: nn.Module | None = None
@@ -108,6 +118,11 @@ class DSCompileEngine(nn.Module):
             extension(self)
         target = self.zero_module if self.zero_module is not None else model
         self._compiled = torch.compile(target, backend="dscompile", options=config) if compile_model else target
+        self.zero_profiler: Any = None  # dscompile.runtime.zero_profile.ZeroProfiler while profile_steps last
+        if compile_model and self.zero_config is not None and self.zero_config.profile_steps > 0:
+            from dscompile.runtime.zero_profile import engine_profiler
+
+            self.zero_profiler = engine_profiler(self, target)  # re-plans ZeRO once, after the profiled steps
 
     # -- ZeRO ----------------------------------------------------------------------------------
     def _setup_zero(self) -> None:
@@ -129,6 +144,9 @@ class DSCompileEngine(nn.Module):
 
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.zero is not None and self.world_size > 1:
+            with explain_collective_failure(self.rank, "forward"):  # a dead or stalled peer: say so
+                return self._compiled(*args, **kwargs)
         return self._compiled(*args, **kwargs)
 
     @property
@@ -146,7 +164,11 @@ class DSCompileEngine(nn.Module):
         scaled = loss / self.gradient_accumulation_steps if scale_wrt_gas and self.gradient_accumulation_steps > 1 else loss
         if self.loss_scaler is not None:
             scaled = self.loss_scaler.scale(scaled)
-        scaled.backward()
+        if self.zero is not None and self.world_size > 1:
+            with explain_collective_failure(self.rank, "backward"):
+                scaled.backward()
+        else:
+            scaled.backward()
         return loss
 
     def step(self) -> None:
@@ -183,6 +205,8 @@ class DSCompileEngine(nn.Module):
         if self.zero is not None:
             self.zero.zero_grad()
         self.global_steps += 1
+        if self.zero_profiler is not None:
+            self.zero_profiler.after_step()  # at the same step on every rank: agrees, re-plans, recompiles once
         if self.global_steps % self.config.steps_per_print == 0 and self.rank == 0:
             log.info("step %d: lr %s", self.global_steps, self.get_lr())
 
@@ -247,6 +271,8 @@ class DSCompileEngine(nn.Module):
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.communication_data_type is not None:
+            flat = flat.to(self.communication_data_type)  # copied back into each gradient's dtype below
         if self.config.prescale_gradients:
             flat /= self.world_size
         elif self.config.gradient_predivide_factor != 1.0:
@@ -388,8 +414,10 @@ def initialize(
     config: Any = None,
     mesh_param: Any = None,
     config_params: Any = None,
-) -> tuple[DSCompileEngine, torch.optim.Optimizer | None, Any, Any]:
+) -> tuple[DSCompileEngine | PipelineEngine, torch.optim.Optimizer | None, Any, Any]:
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    With a ``pipeline`` section the engine is a ``PipelineEngine`` (``engine.train_batch(data_iter)``).
 
     ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a dict or a path to a
     ds_config.json. Process groups are the caller's (torchrun + ``init_process_group``); when the
@@ -408,9 +436,21 @@ def initialize(
     _maybe_init_distributed(dist_init_required, distributed_port)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
+    pipe = cfg.sections.get("pipeline_parallel")
+    if pipe is not None:  # DeepSpeed's rule: a pipeline config gets the pipeline engine (train_batch API)
+        from dscompile.runtime.pipeline_engine import check_pipeline_world
+
+        check_pipeline_world(world_size, pipe.stages)
+        world_size, rank = world_size // pipe.stages, rank // pipe.stages  # batch sizes count pipelines, not stages
     cfg.resolve_batch_sizes(world_size)
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     opt = _resolve_optimizer(cfg, optimizer, params)
+    if pipe is not None:
+        from dscompile.runtime.pipeline_engine import PipelineEngine
+
+        scheduler = _resolve_scheduler(cfg, lr_scheduler, opt)
+        engine = PipelineEngine(model, cfg, opt, scheduler)  # keeps only this rank's stages' parameters in opt
+        return engine, opt, _build_dataloader(cfg, training_data, collate_fn, world_size, rank), scheduler
     if _zero_section(cfg) is not None:
         # ZeRO moves the optimizer onto the shards, so the scheduler must be built over that one.
         ready = lr_scheduler if lr_scheduler is not None and hasattr(lr_scheduler, "step") else None

@@ -45,12 +45,14 @@ class GraphCompiler:
 
         self.config = config
         self.invocations = list(invocations)
-        self.lowering = get_lowering(resolve_lowering(pipeline_lowering(invocations)))
+        self.lowering_name = resolve_lowering(pipeline_lowering(invocations))
+        self.lowering = get_lowering(self.lowering_name)
         self.manager = PassManager(self.invocations, debug=config.debug, dumper=dumper)
         self.dumper = dumper
         # With a dump, names follow the directory (graph_0, graph_1, ... per dump), else the process.
         self.graph_name = dumper.next_graph_name() if dumper is not None else f"graph_{next(_GRAPH_COUNTER)}"
-        self.analysis: dict[str, Any] = {}
+        # Shared by the passes of every graph of this compile; "lowering" tells them the final backend.
+        self.analysis: dict[str, Any] = {"lowering": self.lowering_name}
         self.param_names: dict[int, str] = {}
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
@@ -103,7 +105,10 @@ class GraphCompiler:
         if kind == "forward":
             _annotate_parameters(gm, self.param_names)
         gm = self.manager.run(gm, ctx)
-        return self.lowering.compile(gm, example_inputs, ctx)
+        compiled = self.lowering.compile(gm, example_inputs, ctx)
+        # A pass may wrap the lowered graph (``zero_profile`` times the first steps op by op).
+        wrap = self.analysis.get("wrap_lowered", {}).pop(ctx.graph_name, None)
+        return wrap(gm, compiled) if wrap is not None else compiled
 
 
 def _parameter_names(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict[int, str]:

@@ -389,6 +389,39 @@ class BSLongformerSparsityConfig(SparsityConfig):
         return self.check_and_propagate_first_head_layout(layout)
 
 
+class LocalSlidingWindowSparsityConfig(SparsityConfig):
+    """Purely local attention: each row sees ``num_sliding_window_blocks // 2`` blocks on either
+    side (bidirectional) or that many earlier blocks and itself (unidirectional, the default).
+
+    DeepSpeed's class of the same name (not a ``sparse_attention`` config mode there either);
+    like DeepSpeed's, every head shares one layout.
+    """
+
+    def __init__(self, num_heads: int, block: int = 16, num_sliding_window_blocks: int = 3, attention: str = "unidirectional") -> None:
+        super().__init__(num_heads, block)
+        _check_attention(attention)
+        if num_sliding_window_blocks <= 0:
+            raise ValueError(f"num_sliding_window_blocks must be positive, got {num_sliding_window_blocks}")
+        self.num_sliding_window_blocks = num_sliding_window_blocks
+        self.attention = attention
+
+    def set_sliding_window_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
+        n = layout.shape[1]
+        if n < self.num_sliding_window_blocks:
+            raise ValueError(f"num_sliding_window_blocks ({self.num_sliding_window_blocks}) exceeds the number of blocks ({n})")
+        half = self.num_sliding_window_blocks // 2
+        for row in range(n):
+            end = min(n, row + half + 1) if self.attention == "bidirectional" else row + 1
+            layout[h, row, max(0, row - half) : end] = 1
+        return layout
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        layout = self.setup_layout(seq_len)
+        for h in range(self.num_layout_heads):
+            self.set_sliding_window_layout(h, layout)
+        return self.check_and_propagate_first_head_layout(layout)
+
+
 def layout_to_mask(layout: torch.Tensor, block: int, seq_len: int | None = None) -> torch.Tensor:
     """Expand a block layout ``[H, nb, nb]`` to a boolean token mask ``[H, S, S]`` (True = attend)."""
     mask = layout.bool().repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)

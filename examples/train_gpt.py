@@ -2,10 +2,18 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py --config examples/zero3.json
     torchrun --nproc-per-node 4 examples/train_gpt.py --config examples/zero2.json --model llama
+    torchrun --nproc-per-node 2 examples/train_gpt.py --config examples/pipeline.json
 
 CPU runs on gloo, GPUs on NCCL (one GPU per process, chosen by LOCAL_RANK). The config is a
-DeepSpeed ds_config.json; ``--save DIR`` writes a ZeRO checkpoint at the end (consolidate it
-with ``dscompile zero-to-fp32 DIR full.pt``), ``--load DIR`` resumes from one.
+DeepSpeed ds_config.json; ``--save DIR`` writes a checkpoint at the end, ``--load DIR`` resumes
+from one. A ZeRO checkpoint consolidates with ``dscompile zero-to-fp32 DIR full.pt``.
+
+A config with a ``pipeline`` section makes ``dscompile.initialize`` return a ``PipelineEngine``
+(as DeepSpeed does for a ``PipelineModule``): the ranks form ``world / pipeline.stages``
+data-parallel replicas of a ``stages``-deep pipeline, and each optimizer step is one
+``engine.train_batch(data_iter)`` over ``gradient_accumulation_steps`` (or
+``pipeline.micro_batches``) micro-batches. Every rank of a pipeline reads the same micro-batch
+stream; each data-parallel replica reads its own.
 """
 
 from __future__ import annotations
@@ -13,12 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import dscompile
-from dscompile.zoo import build, make_batch
+from dscompile.runtime.pipeline_engine import PipelineEngine
+from dscompile.zoo import ZooCase, build, make_batch
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +63,9 @@ def main() -> None:
     case = build(args.model, seed=0, batch_size=micro, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, vocab_size=args.vocab)
     case = case.to(device)
     engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
+    if isinstance(engine, PipelineEngine):
+        train_pipeline(engine, case, args, device)
+        return
     rank, world = engine.rank, engine.world_size
     if args.load:
         engine.load_checkpoint(args.load)
@@ -77,12 +91,51 @@ def main() -> None:
                   f"model states {engine.model_state_bytes() / 2**20:.2f} MiB/rank")
     if rank == 0:
         print(f"{args.steps} steps in {time.perf_counter() - start:.1f}s")
+    _save_and_finish(engine, args, rank)
+
+
+def _save_and_finish(engine: Any, args: argparse.Namespace, rank: int) -> None:
+    """Write the checkpoint if asked (every rank its own shard or stage), then leave the process group."""
     if args.save:
         path = engine.save_checkpoint(args.save)
         if rank == 0:
             print(f"checkpoint: {path}")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def train_pipeline(engine: PipelineEngine, case: ZooCase, args: argparse.Namespace, device: torch.device) -> None:
+    """The pipeline-parallel loop: one ``train_batch`` per optimizer step, checkpoints per stage."""
+    rank, stages, m = engine.global_rank, engine.num_stages, engine.micro_batches
+    n_params = sum(p.numel() for p in case.model.parameters())  # before partitioning frees the other stages' weights
+    if args.load:
+        engine.prepare(make_batch(case, seed=0, device=device))  # partition now, so the load restores the step count
+        engine.load_checkpoint(args.load)
+    if rank == 0:
+        print(
+            f"{args.model}: {n_params / 1e6:.2f}M parameters, pipeline {stages} stages x {engine.dp_size} data-parallel, "
+            f"schedule {engine.pcfg.schedule}, {m} micro-batches, partition '{engine.pcfg.partition_method}', {device}"
+        )
+
+    def micro_batches() -> Iterator[tuple[torch.Tensor, ...]]:  # step s, micro-batch i of data-parallel replica d: the same seed rule as the ZeRO loop
+        while True:
+            step = engine.global_steps
+            for i in range(m):
+                yield make_batch(case, seed=100_000 * step + 100 * i + engine.dp_id, device=device)
+
+    data = micro_batches()
+    start = time.perf_counter()
+    while engine.global_steps < args.steps:
+        loss = engine.train_batch(data)  # the mean over micro-batches and replicas, the same on every rank
+        if rank == 0 and (engine.global_steps % 5 == 0 or engine.global_steps == args.steps or engine.global_steps == 1):
+            print(f"step {engine.global_steps:4d}  loss {float(loss):.4f}  lr {engine.get_lr()[0]:.2e}  "
+                  f"{engine.last_batch_seconds * 1e3:.0f} ms  idle {engine.idle_fraction():.2f}")
+    if rank == 0:
+        print(f"{args.steps} steps in {time.perf_counter() - start:.1f}s; stage costs:")
+        plan = engine.program.plan
+        for s, (flops, params) in enumerate(zip(plan.stage_flops, plan.stage_params, strict=True)):
+            print(f"  stage {s}: {flops / 1e6:.1f} MFLOP, {params} parameters")
+    _save_and_finish(engine, args, rank)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,15 @@ override our tags at region boundaries. Functional collectives (and their ``wait
 never recomputed unless a pass marks them ``node.meta["dscompile"]["recomputable"] = True``
 (ZeRO-3's parameter all-gathers should), in which case they are priced like any other node.
 
+Tags already present when this pass runs win over its own choice: ``MUST_SAVE`` is never
+recomputed, ``MUST_RECOMPUTE`` (and every view of such a value) is never saved, whatever the
+policy. ZeRO-3 pins its parameter gathers that way, so under ``full`` or any budget they are
+still released after forward and gathered again in backward.
+
 The partition function this pass installs (``ctx.analysis["partition_fn"]``) runs the
 partitioner, measures what the forward really hands to backward, applies
+``partition_activations`` (``dscompile.runtime.activation_partition``: each rank of a
+``partition_group_size`` group keeps 1/N of every saved activation, backward all-gathers it) and
 ``cpu_checkpointing``, and records the result in ``ctx.analysis["checkpointing"]``, in
 ``checkpoint_reports()`` and, with a dump directory, in ``<dump>/<graph>.joint/checkpointing.json``.
 """
@@ -72,9 +79,13 @@ class ActivationCheckpointingConfig:
     (a DeepSpeed user who configures checkpointing checkpoints every block).
     ``number_checkpoints`` groups consecutive blocks into that many checkpointed segments
     (or, for a model without repeated blocks, cuts its forward into that many segments).
+    ``partition_group_size`` (dscompile's own key) names the ranks ``partition_activations`` shards
+    across: consecutive ranks in groups of that size, which must compute identical activations
+    (DeepSpeed takes them from its ``mpu``'s model-parallel group).
     """
 
     partition_activations: bool = False
+    partition_group_size: int | None = None
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
     number_checkpoints: int | None = None
@@ -96,25 +107,30 @@ class ActivationCheckpointingConfig:
             )
         if self.number_checkpoints is not None and self.number_checkpoints <= 0:
             raise DSCompileConfigError(f"{path}.number_checkpoints", f"must be positive, got {self.number_checkpoints}")
+        if self.partition_group_size is not None:
+            if self.partition_group_size <= 0:
+                raise DSCompileConfigError(f"{path}.partition_group_size", f"must be positive, got {self.partition_group_size}")
+            if not self.partition_activations:
+                raise DSCompileConfigError(f"{path}.partition_group_size", "is only used with partition_activations",
+                                           "set \"partition_activations\": true or drop partition_group_size")
         if self.contiguous_memory_optimization:
             # DeepSpeed copies checkpoints into one preallocated buffer; not built here.
             raise DSCompileNotSupportedError(f"{path}.contiguous_memory_optimization", "contiguous checkpoint buffers")
 
 
-class PartitionActivationsNotSupportedError(DSCompileNotSupportedError):
-    """``partition_activations`` on several ranks: DeepSpeed shards saved activations across the
-    *model-parallel* ranks, which hold identical copies of them; dscompile has no tensor/model
-    parallelism yet, and data-parallel ranks hold different activations, so there is nothing to shard."""
+class PartitionGroupMissingError(DSCompileConfigError):
+    """``partition_activations`` on several ranks without ``partition_group_size``: sharding is only
+    valid across ranks that compute identical activations (DeepSpeed's model-parallel group), and
+    dscompile cannot know which ranks do (data-parallel ranks do not), so it refuses to guess."""
 
-    def __init__(self, world_size: int, key: str = "activation_checkpointing.partition_activations") -> None:
-        DSCompileConfigError.__init__(
-            self,
+    def __init__(self, world_size: int, key: str = "activation_checkpointing.partition_group_size") -> None:
+        super().__init__(
             key,
-            f"on {world_size} ranks this would shard saved activations across model-parallel (tensor-parallel) ranks, "
-            "which hold identical copies of them; that needs tensor/model parallelism, which dscompile has not built, "
-            f"and the {world_size} ranks here are data-parallel, each with different activations, so there is nothing to partition",
-            "set partition_activations to false (to cut activation memory use policy 'full' or a memory_budget, "
-            "or cpu_checkpointing on GPU)",
+            f"partition_activations on {world_size} ranks needs the group of ranks that compute identical activations "
+            "(DeepSpeed shards across its model-parallel group); data-parallel ranks hold different activations, "
+            "so there is nothing to partition across them",
+            f"set partition_group_size to the number of consecutive ranks that are replicas (a divisor of {world_size}), "
+            "or set partition_activations to false (to cut activation memory use policy 'full' or a memory_budget)",
         )
 
 
@@ -138,6 +154,7 @@ def _checkpointing_rule(config: Any) -> list[Any]:
             number_checkpoints=section.number_checkpoints or 0,
             cpu_offload=section.cpu_checkpointing,
             partition_activations=section.partition_activations,
+            partition_group_size=section.partition_group_size or 0,
             profile=section.profile,
             synchronize_boundary=section.synchronize_checkpoint_boundary,
         )
@@ -153,6 +170,7 @@ class CheckpointOptions:
     number_checkpoints: int = field(default=0, metadata={"help": "segments for policy full (0: one per block)"})
     cpu_offload: bool = field(default=False, metadata={"help": "move saved activations to host memory"})
     partition_activations: bool = field(default=False, metadata={"help": "shard saved activations across ranks"})
+    partition_group_size: int = field(default=0, metadata={"help": "consecutive ranks with identical activations to shard across"})
     profile: bool = field(default=False, metadata={"help": "log the decision of every graph at INFO"})
     synchronize_boundary: bool = field(default=False, metadata={"help": "DeepSpeed's synchronize_checkpoint_boundary (no effect)"})
 
@@ -166,6 +184,8 @@ class CheckpointOptions:
             raise ValueError(f"budget must be between 0 and 1, got {self.budget}")
         if self.policy == "budget" and self.budget is None:
             raise ValueError("policy=budget needs budget=<0..1>")
+        if self.partition_group_size < 0:
+            raise ValueError(f"partition_group_size must be >= 0, got {self.partition_group_size}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +308,9 @@ class JointInfo:
     seconds: dict[torch.fx.Node, float]  # roofline time of recomputing the node once
     banned: dict[torch.fx.Node, str]  # never recomputed, with the reason
     rng_state_bytes: int
+    # pinned by an earlier pass or the user (``meta["recompute"] = MUST_RECOMPUTE``), e.g. ZeRO-3's
+    # parameter gathers: never saved. MUST_SAVE pins land in ``banned``.
+    must_recompute: set[torch.fx.Node] = field(default_factory=set)
 
 
 def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
@@ -315,6 +338,7 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
     flops: dict[torch.fx.Node, int] = {}
     seconds: dict[torch.fx.Node, float] = {}
     banned: dict[torch.fx.Node, str] = {}
+    must_recompute: set[torch.fx.Node] = set()
     for node in primals + forward:
         value = node_value(node)
         if node.op == "placeholder":
@@ -331,9 +355,25 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
         flops[node] = 0 if ops.is_view(node) else evaluate(node_cost(node).flops, hints)
         seconds[node] = recompute_seconds(node, hints, roofline)
         reason = _ban_reason(node)
+        pinned = node.meta.get("recompute")
         if reason:
             banned[node] = reason
-    return JointInfo(forward, backward, primals, required_fw, needed_by_bw, size, flops, seconds, banned, _rng_state_bytes(forward))
+        elif pinned == CheckpointPolicy.MUST_SAVE:
+            banned[node] = "pinned to MUST_SAVE before this pass"
+        elif pinned == CheckpointPolicy.MUST_RECOMPUTE:
+            must_recompute.add(node)
+        elif pinned is None and _aliases_first_input(node) and node.args[0] in must_recompute:
+            # saving a view (or one output of a pinned tuple op) would keep the pinned value alive: a gathered ZeRO-3 parameter
+            must_recompute.add(node)
+    return JointInfo(forward, backward, primals, required_fw, needed_by_bw, size, flops, seconds, banned, _rng_state_bytes(forward),
+                     must_recompute)
+
+
+def _aliases_first_input(node: torch.fx.Node) -> bool:
+    """A view of its first input (by the op's schema), or one output of a tuple-valued node."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
 
 
 def _ancestors(start: Iterable[torch.fx.Node], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -439,7 +479,8 @@ class CutSolver:
         from networkx.algorithms.flow import boykov_kolmogorov
 
         self.info = info
-        self.banned = set(info.banned) | set(extra_banned)
+        # a policy's bans never override a pin to recompute (ZeRO-3 gathers stay recomputed under ``full``)
+        self.banned = set(info.banned) | {n for n in extra_banned if n not in info.must_recompute}
         self.nodes = info.primals + info.forward
         graph = nx.DiGraph()
         graph.add_node("source")
@@ -448,6 +489,8 @@ class CutSolver:
             node_in, node_out = f"{node.name}_in", f"{node.name}_out"
             size = info.size[node]
             if may_save is not None and node.op != "placeholder" and not may_save(node) and node not in self.banned:
+                size = math.inf
+            if node in info.must_recompute and node not in self.banned:
                 size = math.inf
             graph.add_edge(node_in, node_out, capacity=size)
             for user in node.users:
@@ -466,6 +509,8 @@ class CutSolver:
         if node not in self.info.required_fw:
             return 0.0  # computed once either way: in backward instead of forward
         seconds = self.info.seconds[node]
+        if node in self.info.must_recompute:
+            lam = 0.0  # recomputed whatever the cut: its time is a constant, not a choice (and lam may be inf)
         price = (lam * seconds if seconds > 0 else 0.0) + 1e-3 * (1 + 1e9 * seconds)  # tie-break: recompute less
         if _is_random(node):
             price += self.info.rng_state_bytes
@@ -537,7 +582,8 @@ def _refine(solver: CutSolver, lam: float, cut: Cut, cheaper: Cut | None, target
     does not, keeping each ban that still meets the budget and lowers the recompute time."""
     info = solver.info
     pool = cut.recomputed - cheaper.recomputed if cheaper is not None else cut.recomputed
-    candidates = sorted((n for n in pool if info.seconds[n] > 0 and n in info.required_fw and n not in solver.banned),
+    candidates = sorted((n for n in pool if info.seconds[n] > 0 and n in info.required_fw and n not in solver.banned
+                         and n not in info.must_recompute),
                         key=lambda n: -info.seconds[n])[:limit]
     for node in candidates:
         solver.banned.add(node)
@@ -738,7 +784,7 @@ def _aliases_input(node: torch.fx.Node, ops: Any) -> bool:
     return node.op == "placeholder"
 
 
-def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions) -> Callable[..., Any]:
+def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions, group_size: int = 0) -> Callable[..., Any]:
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> Any:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -748,12 +794,32 @@ def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions)
         report = {"graph": ctx.graph_name, **plan.summary(), **measure_partition(fw, bw, num_fwd_outputs)}
         joint_nodes = {n.name: n for n in joint.graph.nodes}
         report["saved_block"] = {name: block_of(joint_nodes[name]) if name in joint_nodes else None for name in report["saved"]}
+        to_offload = report["saved"]
+        if group_size > 1:
+            to_offload = _partition(fw, bw, num_fwd_outputs, report, group_size, bool(getattr(ctx.config, "debug", False)))
         if options.cpu_offload:
-            report["offloaded"] = _offload(fw, bw, num_fwd_outputs, report["saved"])
+            report["offloaded"] = _offload(fw, bw, num_fwd_outputs, to_offload)
         _record(ctx, report, options)
         return fw, bw
 
     return partition
+
+
+def _partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int, report: dict[str, Any], group_size: int,
+               verify: bool = False) -> list[str]:
+    """Shard the saved activations across the partition group; the report's saved bytes become this
+    rank's (``saved_bytes_unpartitioned`` keeps the whole). ``verify`` (config ``debug``) checks in
+    forward that the group's copies agree. Returns the names now saved."""
+    from dscompile.runtime.activation_partition import partition_group, partition_saved_activations
+
+    result = partition_saved_activations(fw, bw, num_fwd_outputs, report["saved"], partition_group(group_size), verify=verify)
+    report["partition"] = result.summary()
+    report["saved_bytes_unpartitioned"] = report["saved_bytes"]
+    report["saved_bytes"] -= result.full_bytes - result.shard_bytes
+    report["activation_bytes"] -= result.full_bytes - result.shard_bytes
+    if result.kept_whole:
+        log.info("partition_activations kept %d saved values whole: %s", len(result.kept_whole), result.kept_whole)
+    return [result.sharded.get(name, name) for name in report["saved"]]
 
 
 def _fill_missing_values(gm: torch.fx.GraphModule) -> None:
@@ -798,11 +864,7 @@ def checkpoint(gm: torch.fx.GraphModule, ctx: PassContext, options: CheckpointOp
     """Decide per forward node whether backward gets it saved or recomputes it (policy none|full|selective|budget)."""
     if options is None:
         options = CheckpointOptions()
-    if options.partition_activations and ctx.world_size > 1:
-        raise PartitionActivationsNotSupportedError(ctx.world_size)
-    if options.partition_activations:
-        _log_once("partition_single", "partition_activations: one rank and no model parallelism; there are no model-parallel "
-                  "copies of the activations to shard, so it has no effect")
+    group_size = _partition_group_size(options, ctx.world_size)
     if options.synchronize_boundary:
         _log_once("sync_boundary", "synchronize_checkpoint_boundary has no effect: compiled graphs have no per-block boundaries to synchronise")
     num_fwd_outputs = ctx.num_fwd_outputs
@@ -820,14 +882,31 @@ def checkpoint(gm: torch.fx.GraphModule, ctx: PassContext, options: CheckpointOp
     if plan.cut is not None:
         apply_plan(gm, plan)
         ctx.analysis["checkpointing_plan"] = plan.summary()
-    ctx.analysis["partition_fn"] = _make_partition_fn(ctx, plan, options)
+    ctx.analysis["partition_fn"] = _make_partition_fn(ctx, plan, options, group_size)
     return gm
+
+
+def _partition_group_size(options: CheckpointOptions, world_size: int) -> int:
+    """The size of the group ``partition_activations`` shards across (0: no partitioning), or a clear refusal."""
+    if not options.partition_activations:
+        return 0
+    size = options.partition_group_size
+    if world_size == 1 or size == 1:
+        _log_once("partition_single", "partition_activations: a partition group of one rank; there are no other copies of "
+                  "the activations to shard across, so it has no effect")
+        return 0
+    if size == 0:
+        raise PartitionGroupMissingError(world_size)
+    if world_size % size:
+        raise DSCompileConfigError("activation_checkpointing.partition_group_size",
+                                   f"{size} does not divide the world size {world_size}", "use a divisor of the world size")
+    return size
 
 
 __all__ = [
     "ActivationCheckpointingConfig",
     "CheckpointOptions",
-    "PartitionActivationsNotSupportedError",
+    "PartitionGroupMissingError",
     "Roofline",
     "analyse_joint",
     "checkpoint_reports",

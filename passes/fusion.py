@@ -254,7 +254,22 @@ def region_report(gm: torch.fx.GraphModule) -> str:
 
 @register_pass("fuse", graphs=("forward", "backward"))
 def fuse(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.GraphModule:
-    """Group pointwise ops, trailing-dim reductions and free views into Triton kernel regions."""
+    """Group pointwise ops, trailing-dim reductions and free views into Triton kernel regions.
+
+    Before the triton lowering on a GPU, matmuls with a bias/activation/residual epilogue first
+    become single Triton template calls (kernels/matmul_epilogue.py).
+    """
+    lowering = ctx.analysis.get("lowering")
+    if lowering not in (None, "triton", "eager"):
+        # Inductor partitions and fuses on its own and cannot take region submodules.
+        log.info("%s: regions are for the triton lowering; with lower(%s) the graph is left unchanged", ctx.graph_name, lowering)
+        return gm
+    if lowering == "triton":
+        from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues
+
+        folded = fold_matmul_epilogues(gm)
+        if folded:
+            log.debug("%s: %d matmul epilogues folded into the Triton template", ctx.graph_name, folded)
     names = fuse_regions(gm)
     ctx.analysis.setdefault("fusion_regions", {})[ctx.graph_name] = names
     if getattr(ctx.config, "dump", None):

@@ -16,11 +16,24 @@ the source exactly (bf16 -> fp32 -> bf16 is the identity). Counts before/after a
 Metadata left for later passes (``node.meta["dscompile"]``):
   ``dtype``            the torch.dtype a floating-point node computes in after this pass
   ``amp``              the policy class of an op: "low" | "fp32" | "promote" | "keep" | "cast"
-  ``amp_cast``         on inserted casts: {"reason": low|fp32|promote|output|restore, "source": name}
-  ``amp_param_cast``   on a cast whose input is a parameter: the parameter's name. ZeRO-3 should
-                       gather the *output* of this cast (the low-precision shard) instead of the
-                       fp32 parameter, so half the bytes travel.
+  ``amp_cast``         on inserted casts: {"reason": low|fp32|promote|output|restore|gather|communication,
+                       "source": name}
+  ``amp_param_cast``   on a cast whose input is a parameter: the parameter's name.
+  ``amp_gather_of``    on a ZeRO-3 gather of a low-precision shard: the fp32 gather it replaced.
   output node ``amp``  the cast counts of the graph (also in ``ctx.analysis["amp"][graph_name]``)
+
+With ZeRO-3 the cast happens before the all-gather: each ``dscompile::zero_gather`` of an fp32
+shard becomes a gather of the shard cast to the low precision (half the bytes travel), and ops
+that want fp32 (norms, embeddings) read that gathered copy upcast, as DeepSpeed's 16-bit model
+weights are read (``zero3_gather=low``, the default); ``zero3_gather=exact`` lowers only the gathers
+whose every user computes in the low precision (autocast's values exactly, fewer bytes saved).
+
+``communication_data_type`` (DeepSpeed's top-level key: ``fp32`` | ``fp16`` | ``bf16``, default the
+training precision) is the dtype gradients are reduced in: the ``comm_dtype`` pass casts the input
+of every in-graph ZeRO-2/3 gradient reduce-scatter to it and the result back to the gradient's
+dtype; the engine does the same for ZeRO-1's and plain data parallelism's reductions. ZeRO-3's
+parameter all-gathers move the compute-precision copy whatever this key says (as in DeepSpeed,
+where the key only governs gradient reductions).
 
 The config keys are DeepSpeed's ``bf16`` and ``fp16`` sections; fp16 also installs the engine's
 dynamic loss scaler (``dscompile.runtime.loss_scaler``), read as ``engine.loss_scaler.loss_scale``.
@@ -44,6 +57,7 @@ from dscompile.engine import DSCompileEngine, register_engine_extension
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, fake_mode_of, node_value, set_fake_value, tensor_values
 from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
+from dscompile.runtime import zero_ops
 
 log = logging.getLogger("dscompile.passes.amp")
 
@@ -51,6 +65,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 LOW_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+COMM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, **LOW_DTYPES}
 
 # --------------------------------------------------------------------------------------------
 # config sections
@@ -118,20 +133,59 @@ def precision_of(config: Any) -> str | None:
     return "fp16" if fp16_on else "bf16" if bf16_on else None
 
 
+def _parse_communication_data_type(value: Any, path: str) -> str | None:
+    """DeepSpeed's ``communication_data_type``: null, "fp32", "fp16" or "bf16" (any letter case)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in COMM_DTYPES:
+        raise DSCompileConfigError(
+            path,
+            f"{value!r} is not a communication data type",
+            f"use one of {', '.join(map(repr, COMM_DTYPES))} (or null for the training precision)",
+        )
+    return value.lower()
+
+
+register_section("communication_data_type", _parse_communication_data_type, "mixed-precision communication")
+
+
+def communication_dtype(config: Any) -> str:
+    """The dtype gradients are reduced in, as DeepSpeed picks it: the key, else the training precision."""
+    explicit = config.sections.get("communication_data_type")
+    return explicit or precision_of(config) or "fp32"
+
+
+def _zero_stage(config: Any) -> int:
+    section = config.sections.get("zero_optimization")
+    return int(section.stage) if section is not None else 0
+
+
 # Rule order 15: after the Dynamo-graph rewrites (10) and before sharding (20), so that ZeRO
-# sees the parameter casts and can gather the low-precision copies.
+# sees the parameter casts and can gather the low-precision copies, and ``comm_dtype`` sees the
+# ZeRO-2/3 reduce-scatter ops before ``zero`` turns them into collectives.
 @register_config_rule(15, "mixed_precision")
 def _mixed_precision_rule(config: Any) -> list[PassInvocation]:
     precision = precision_of(config)
-    return [invocation("amp", dtype=precision)] if precision else []
+    items = [invocation("amp", dtype=precision)] if precision else []
+    if _zero_stage(config) >= 2 and (precision or config.sections.get("communication_data_type")):
+        items.append(invocation("comm_dtype", dtype=communication_dtype(config)))
+    return items
 
 
 @register_engine_extension(40, "mixed_precision")
 def _install_loss_scaler(engine: DSCompileEngine) -> None:
-    """fp16 training gets DeepSpeed's loss scaler; bf16 needs none (the graph does the casts)."""
+    """fp16 training gets DeepSpeed's loss scaler; bf16 needs none (the graph does the casts).
+
+    Also sets the dtype of the reductions done outside graphs (ZeRO-1, plain data parallelism).
+    """
     from dscompile.runtime.loss_scaler import build_loss_scaler
 
     precision = precision_of(engine.config)
+    if precision is not None or engine.config.sections.get("communication_data_type"):
+        comm = COMM_DTYPES[communication_dtype(engine.config)]
+        engine.communication_data_type = comm
+        if engine.zero is not None:
+            engine.zero.comm_dtype = comm
     if precision is None:
         return
     odd = sorted({str(p.dtype) for p in engine.trainable_parameters() if p.dtype != torch.float32})
@@ -297,6 +351,16 @@ _PROMOTE = {
 
 _OPERATOR_NAMES: dict[Callable[..., Any], str] = {operator.matmul: "matmul", operator.pow: "pow"}
 _ZERO_GATHER = "dscompile::zero_gather"  # ZeRO-3's parameter gather (dscompile.runtime.zero_ops)
+
+
+def is_zero_gather(node: torch.fx.Node) -> bool:
+    """A ZeRO-3 parameter gather, spelt as Dynamo records it (op packet) or as AOTAutograd does (overload)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name() == _ZERO_GATHER
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name == _ZERO_GATHER
 
 
 @dataclass(frozen=True)
@@ -482,7 +546,9 @@ def _signature(value: Any) -> tuple:
 class _CastInserter:
     """Walks the graph once, giving each op its compute dtype and re-deriving fake values."""
 
-    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext, low: torch.dtype, policy_name: str) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, ctx: PassContext, low: torch.dtype, policy_name: str, zero3_gather: str = "low"
+    ) -> None:
         self.gm, self.graph, self.ctx, self.low = gm, gm.graph, ctx, low
         self.fake_mode = fake_mode_of(gm)
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
@@ -492,21 +558,17 @@ class _CastInserter:
             torch.device("cpu"),
         )
         self.policy = POLICIES[policy_name](device)
-        self.original = {n: node_value(n) for n in self.graph.nodes}
         self.env: dict[torch.fx.Node, Any] = {}
         self.casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
         self.rules: Counter[str] = Counter()
         self.requests = 0
-        self.low_gathers = self._find_low_gathers()
-        self.dead_gathers: set[torch.fx.Node] = set()
+        self.low_gathers = self._lower_gathers(zero3_gather)
+        self.original = {n: node_value(n) for n in self.graph.nodes}
 
     # -- helpers ---------------------------------------------------------------------------
     def cast(self, src: torch.fx.Node, dtype: torch.dtype, reason: str) -> torch.fx.Node:
         key = (src, dtype)
         if key in self.casts:
-            return self.casts[key]
-        if src in self.low_gathers and dtype == self.low:
-            self.casts[key] = self._gather_low(src, reason)
             return self.casts[key]
         anchor = self.placeholders[-1] if src.op in ("placeholder", "get_attr") else src
         with self.graph.inserting_after(anchor):
@@ -522,28 +584,37 @@ class _CastInserter:
         self.casts[key] = node
         return node
 
-    def _find_low_gathers(self) -> set[torch.fx.Node]:
-        """ZeRO-3 gathers whose every user computes in the low precision: cast the shard, not the result."""
-        found = set()
-        for node in self.graph.nodes:
-            target = node.target
-            if isinstance(target, torch._ops.OpOverload) and target.name() == _ZERO_GATHER and node.users:
-                if all(classify(user, self.policy) == "low" for user in node.users):
-                    found.add(node)
-        return found
+    def _lower_gathers(self, mode: str) -> list[torch.fx.Node]:
+        """ZeRO-3: gather ``cast(shard, low)`` instead of the fp32 shard, so half the bytes travel.
 
-    def _gather_low(self, gather: torch.fx.Node, reason: str) -> torch.fx.Node:
-        """A second gather of the low-precision shard (half the bytes); the fp32 one dies."""
-        shard = gather.args[0]
-        low_shard = self.cast(shard, self.low, reason)
-        with self.graph.inserting_after(gather):
-            node = self.graph.call_function(gather.target, (low_shard, *gather.args[1:]), dict(gather.kwargs))
-        self.env[node] = set_fake_value(node, self.fake_mode)
-        ds_meta(node).update(dtype=self.low, amp="low", amp_gather_of=gather.name)
-        if shard in self.param_of:
-            ds_meta(low_shard)["amp_param_cast"] = self.param_of[shard]
-        self.dead_gathers.add(gather)
-        return node
+        The fp32 gather is replaced by ``cast(low_gather, fp32)``; a low-precision user's cast of
+        that folds back to ``low_gather`` in the clean-up, fp32 users (norms, embeddings) read the
+        upcast copy. ``mode="exact"`` only lowers gathers that have low-precision users alone.
+        """
+        lowered = []
+        for gather in [n for n in self.graph.nodes if is_zero_gather(n)]:
+            shard = gather.args[0]
+            value = node_value(shard)
+            if not gather.users or not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+                continue
+            if mode == "exact" and not all(classify(user, self.policy) == "low" for user in gather.users):
+                continue
+            low_shard = self.cast(shard, self.low, "gather")
+            with self.graph.inserting_after(gather):
+                low_gather = self.graph.call_function(gather.target, (low_shard, *gather.args[1:]), dict(gather.kwargs))
+            set_fake_value(low_gather, self.fake_mode)
+            ds_meta(low_gather).update(dtype=self.low, amp="low", amp_gather_of=gather.name)
+            with self.graph.inserting_after(low_gather):
+                upcast = self.graph.call_function(aten._to_copy.default, (low_gather,), {"dtype": torch.float32})
+            set_fake_value(upcast, self.fake_mode)
+            ds_meta(upcast).update(dtype=torch.float32, amp="cast", amp_cast={"reason": "gather", "source": low_gather.name})
+            for key in ("stack_trace", "nn_module_stack"):
+                if key in gather.meta:
+                    low_gather.meta.setdefault(key, gather.meta[key])
+            gather.replace_all_uses_with(upcast)
+            self.graph.erase_node(gather)
+            lowered.append(low_gather)
+        return lowered
 
     def _float(self, arg: torch.fx.Node) -> torch.Tensor | None:
         value = self.env.get(arg)
@@ -592,7 +663,7 @@ class _CastInserter:
 
     # -- the walk --------------------------------------------------------------------------
     def run(self) -> int:
-        inserted_before = len(self.casts)
+        """Give every op its dtype; returns the casts inserted (ZeRO-3 gather upcasts included)."""
         for node in list(self.graph.nodes):
             if node.op in ("placeholder", "get_attr"):
                 value = node_value(node)
@@ -605,10 +676,7 @@ class _CastInserter:
                 self._outputs(node)
                 continue
             self._visit(node)
-        for gather in self.dead_gathers:
-            if not gather.users:
-                self.graph.erase_node(gather)
-        return len(self.casts) - inserted_before
+        return len(self.casts) + len(self.low_gathers)
 
     def _visit(self, node: torch.fx.Node) -> None:
         rule = classify(node, self.policy)
@@ -687,6 +755,13 @@ class AmpOptions:
         metadata={"help": "default: norms/softmax/losses in fp32 everywhere; autocast: torch.autocast's lists for the device"},
     )
     cleanup: bool = field(default=True, metadata={"help": "fold redundant casts"})
+    zero3_gather: Literal["low", "exact"] = field(
+        default="low",
+        metadata={
+            "help": "ZeRO-3 all-gathers: low moves every parameter's low-precision copy (half the bytes, fp32 users read it "
+            "upcast); exact lowers only gathers whose users all compute in the low precision"
+        },
+    )
 
 
 def _has_user_autocast(gm: torch.fx.GraphModule) -> bool:
@@ -721,7 +796,8 @@ def amp_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: AmpOptions) ->
         if _has_user_autocast(gm):
             log.warning("%s: the model already uses torch.autocast; amp leaves this graph unchanged", ctx.graph_name)
             return gm
-        inserter = _CastInserter(gm, ctx, low, options.policy)
+        inserter = _CastInserter(gm, ctx, low, options.policy, options.zero3_gather)
+        stats["zero3_gathers_lowered"] = len(inserter.low_gathers)
         stats["casts_inserted"] = inserter.run()
         stats["casts_requested"] = inserter.requests
         stats["ops_by_rule"] = dict(inserter.rules)
@@ -735,5 +811,55 @@ def amp_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: AmpOptions) ->
     output = next(n for n in gm.graph.nodes if n.op == "output")
     ds_meta(output)["amp"] = {k: v for k, v in stats.items() if k != "ops_by_rule"}
     log.info("%s: %s casts before cleanup, %s after", ctx.graph_name, stats["casts_before_cleanup"], stats["casts_after_cleanup"])
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------------------------
+# communication_data_type: the dtype of the ZeRO-2/3 gradient reduce-scatters
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CommDtypeOptions:
+    dtype: Literal["fp32", "fp16", "bf16"] = field(default="fp32", metadata={"help": "dtype gradients are reduced in"})
+
+
+@register_pass("comm_dtype", graphs=("backward",), options=CommDtypeOptions)
+def comm_dtype_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: CommDtypeOptions) -> torch.fx.GraphModule:
+    """Reduce-scatter every ZeRO gradient in ``dtype``: cast the gradient before, the averaged shard back after.
+
+    Runs before ``zero`` (which turns ``dscompile::zero_reduce_scatter`` into functional collectives),
+    so the collective inherits the dtype and bucketing groups gradients of one dtype together.
+    """
+    comm = COMM_DTYPES[options.dtype]
+    graph = gm.graph
+    stats = {"dtype": options.dtype, "reduce_scatters": 0, "recast": 0}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not zero_ops.REDUCE_SCATTER:
+            continue
+        stats["reduce_scatters"] += 1
+        grad = node.args[0]
+        dtype = _dtype(grad) if isinstance(grad, torch.fx.Node) else None
+        if dtype is None or not dtype.is_floating_point or dtype == comm:
+            continue
+        with graph.inserting_before(node):
+            down = graph.call_function(aten._to_copy.default, (grad,), {"dtype": comm})
+        set_fake_value(down)
+        ds_meta(down).update(dtype=comm, amp="cast", amp_cast={"reason": "communication", "source": grad.name})
+        node.args = (down, *node.args[1:])
+        set_fake_value(node)
+        ds_meta(node)["dtype"] = comm
+        with graph.inserting_after(node):
+            back = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+        node.replace_all_uses_with(back, delete_user_cb=lambda user, keep=back: user is not keep)
+        set_fake_value(back)
+        ds_meta(back).update(dtype=dtype, amp="cast", amp_cast={"reason": "communication", "source": node.name})
+        stats["recast"] += 1
+    if stats["reduce_scatters"] == 0 and any(
+        n.op == "call_function" and n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default for n in graph.nodes
+    ):
+        log.warning("%s: comm_dtype found only functional reduce-scatters: put it before 'zero' in the pipeline", ctx.graph_name)
+    ctx.analysis.setdefault("comm_dtype", {})[ctx.graph_name] = stats
     gm.recompile()
     return gm

@@ -51,6 +51,12 @@ class ZeroConfig:
 
     ``overlap_comm`` defaults to DeepSpeed's: on for stage 3, off below. ``unshard_budget`` is
     dscompile's own: elements of ZeRO-3 parameters that may stay gathered from forward to backward.
+    ``profile_steps`` is dscompile's own too (DeepCompile's optimization cycle, stages 2-3, through
+    ``dscompile.initialize``): the first ``profile_steps`` optimizer steps time every op and the live
+    memory, then bucket sizes, the prefetch window and (on GPU, from the measured memory) the unshard
+    budget are planned again from the measurements, agreed across ranks, and the model recompiled
+    once; the sizes above become upper bounds. 0 (the default) plans from the config alone, with no
+    profiling steps (they run op by op, slower) and no second compile.
     ``contiguous_gradients``, ``round_robin_gradients``, ``sub_group_size``,
     ``stage3_max_reuse_distance`` and ``memory_efficient_linear`` are accepted and change nothing
     here (they tune DeepSpeed's own buffers; the maths is the same). Offload, ZeRO++ and MiCS are refused.
@@ -84,6 +90,7 @@ class ZeroConfig:
     zero_quantized_gradients: bool = False
     mics_shard_size: int = -1
     unshard_budget: int | float = 0
+    profile_steps: int = 0
 
     _SIZES = (
         "reduce_bucket_size",
@@ -124,6 +131,8 @@ class ZeroConfig:
             log.info("%s.reduce_scatter=false: dscompile always reduce-scatters (same result as DeepSpeed's all-reduce path)", path)
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
+        if not isinstance(self.profile_steps, int) or isinstance(self.profile_steps, bool) or self.profile_steps < 0:
+            raise DSCompileConfigError(f"{path}.profile_steps", f"must be a whole number of steps >= 0, got {self.profile_steps!r}")
 
     @property
     def enabled(self) -> bool:
@@ -163,6 +172,8 @@ def _zero_rule(config: Any) -> list[Any]:
             )
         )
     items.append(invocation("zero_overlap", overlap_comm=bool(zc.overlap_comm)))
+    if zc.profile_steps > 0:
+        items.append(invocation("zero_profile"))
     return items
 
 

@@ -85,3 +85,29 @@ def test_demo_command_runs():
     result = _run("demo", "--steps", "2", "--lower", "eager")
     assert result.returncode == 0, result.stderr
     assert "eager loss" in result.stdout and "graph_0.backward" in result.stdout
+
+
+@pytest.mark.slow
+def test_dump_with_triton_lowering_shows_regions_without_interpreter_env(tmp_path):
+    """On a CPU without TRITON_INTERPRET set, the Triton lowering switches the interpreter on itself."""
+    import json
+    import os
+
+    import torch
+
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"lower": "triton"}))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["dump", "dscompile.zoo.targets:mlp", "--config", str(config), "--format", "table", "--out", str(tmp_path / "d")]
+    result = subprocess.run(
+        [sys.executable, "-m", "dscompile.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "graph_0.forward: fusion regions and the nodes left out" in result.stdout
+    assert "skipped addmm: aten.addmm: matmul/convolution stays a library call" in result.stdout
+    # CPU tensors: kernels run in the interpreter without a GPU; with one, the regions stay aten.
+    assert (tmp_path / "d" / "graph_0.forward" / "kernels").is_dir() != torch.cuda.is_available()

@@ -127,13 +127,12 @@ def test_textual_pipeline_is_checked_at_load():
 
 def test_pipeline_dict_is_deepspeeds_pipeline_parallel_section():
     # A dict under "pipeline" is DeepSpeed's pipeline-parallel config, not a pass spec.
-    from dscompile.config import _SECTIONS
-
-    if "pipeline_parallel" in _SECTIONS and _SECTIONS["pipeline_parallel"].parser is not None:
-        pytest.skip("pipeline parallelism is built: its own tests cover the section")
-    with pytest.raises(DSCompileNotSupportedError) as info:
-        load_config({"pipeline": {"stages": 2}})
-    assert info.value.key == "pipeline"
+    config = load_config({"pipeline": {"stages": 2}})
+    assert config.pipeline is None
+    assert config.sections["pipeline_parallel"].stages == 2
+    with pytest.raises(DSCompileConfigError) as info:
+        load_config({"pipeline": {"stagse": 2}})
+    assert "stages" in str(info.value)
 
 
 def test_environment_fills_dump_and_lower(monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.passes.pipeline_split import describe_plan, graph_facts, min_max_partition, plan_partition, split_program
 from dscompile.runtime.pipeline_engine import PipelineEngine, capture_graph
 from dscompile.runtime.pipeline_markers import pipeline_split
-from dscompile.zoo import build
+from dscompile.zoo import build, make_batch
 
 warnings.filterwarnings("ignore", message="Failed to fetch module")
 
@@ -47,6 +47,39 @@ def test_world_size_must_divide_stages():
     case = build("mlp")
     with pytest.raises(DSCompileConfigError, match="not divisible by 2 pipeline stages"):
         PipelineEngine(case.model, {"pipeline": {"stages": 2}})
+
+
+def test_zero_above_stage_1_is_refused():
+    case = build("mlp")
+    with pytest.raises(DSCompileConfigError, match="use stage 1"):
+        PipelineEngine(case.model, {"pipeline": {"stages": 1}, "zero_optimization": {"stage": 2}})
+
+
+def test_initialize_returns_the_pipeline_engine_for_a_pipeline_config():
+    """DeepSpeed style: dscompile.initialize + a pipeline section -> train_batch; numbers equal eager."""
+    import dscompile
+    from dscompile.engine import DSCompileEngine
+
+    cfg = {"gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 1, "compile": False}}
+    case, ref = build("mlp"), build("mlp")
+    engine, optimizer, _, _ = dscompile.initialize(model=case.model, config=cfg)
+    assert isinstance(engine, PipelineEngine) and engine.gradient_accumulation_steps == 2
+    with pytest.raises(RuntimeError, match="train_batch"):
+        engine.backward(torch.zeros(()))
+    with pytest.raises(DSCompileConfigError, match="PipelineEngine"):
+        DSCompileEngine(ref.model, load_config(cfg), None)
+    batches = [make_batch(case, seed=i) for i in range(4)]
+    opt = torch.optim.SGD(ref.model.parameters(), lr=0.1)
+    for step in range(2):
+        loss = engine.train_batch(iter(batches[2 * step : 2 * step + 2]))
+        expected = sum(ref.model(*b) / 2 for b in batches[2 * step : 2 * step + 2])
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
+    for name, p in ref.model.named_parameters():
+        torch.testing.assert_close(engine.stage_parameters()[name], p.detach(), rtol=1e-6, atol=1e-7)
+    assert engine.get_lr() == [0.1] and optimizer is engine.optimizer
 
 
 # -- the dynamic program --------------------------------------------------------------------------

@@ -65,17 +65,24 @@ def _train(rank: int, name: str, cfg: dict, m: int, steps: int, overrides: dict)
     world = torch.distributed.get_world_size()
     data = iter(_data(case, steps, m, rank // stages, world // stages))
     losses = [float(engine.train_batch(data)) for _ in range(steps)]
-    return {"losses": losses, "params": engine.stage_parameters(), "order": [str(a) for a in engine.last_timeline.order()]}
+    return {
+        "losses": losses,
+        "params": engine.stage_parameters(),
+        "order": [str(a) for a in engine.last_timeline.order()],
+        "optimizer_params": sum(len(g["params"]) for g in engine.optimizer.param_groups),
+    }
 
 
-def _checkpoint_roundtrip(rank: int, tmp: str, m: int) -> dict:
+def _checkpoint_roundtrip(rank: int, tmp: str, m: int, zero_stage: int = 0) -> dict:
     """Train 2 steps with Adam, save, rebuild from another initialisation, load, train 1 more."""
     from dscompile.runtime.pipeline_engine import PipelineEngine
     from dscompile.zoo import build
 
     cfg = _config("1f1b", 2, m, compile_=False, optimizer="Adam")
+    if zero_stage:
+        cfg["zero_optimization"] = {"stage": zero_stage}
     case = build("gpt", n_layers=2)
-    data = _data(case, 3, m)
+    data = _data(case, 3, m, rank // 2, torch.distributed.get_world_size() // 2)
     engine = PipelineEngine(case.model, cfg)
     it = iter(data)
     for _ in range(2):
@@ -89,8 +96,32 @@ def _checkpoint_roundtrip(rank: int, tmp: str, m: int) -> dict:
     return {"loss": loss, "continued": continued, "params": fresh.stage_parameters(), "expected": engine.stage_parameters(), "steps": fresh.global_steps}
 
 
+def _through_initialize(rank: int, m: int, steps: int) -> dict:
+    """``dscompile.initialize`` with a ``pipeline`` section returns the pipeline engine, DeepSpeed style."""
+    import dscompile
+    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.zoo import build
+
+    case = build("gpt", n_layers=2)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": m,  # the micro-batch count when pipeline.micro_batches is unset
+        "lower": "eager",
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "pipeline": {"stages": 2, "schedule": "1f1b", "compile": False},
+    }
+    engine, optimizer, _, _ = dscompile.initialize(model=case.model, config=cfg)
+    assert isinstance(engine, PipelineEngine) and engine.optimizer is optimizer and engine.gradient_accumulation_steps == m
+    with pytest.raises(RuntimeError, match="train_batch"):
+        engine(*_data(case, 1, 1)[0])
+    it = iter(_data(case, steps, m))
+    losses = [float(engine.train_batch(it)) for _ in range(steps)]
+    return {"losses": losses, "params": engine.stage_parameters(), "optimizer_params": sum(len(g["params"]) for g in optimizer.param_groups)}
+
+
 def _two_rank_checks(rank: int, world: int, tmp: str) -> dict:
     out = {}
+    out["initialize"] = _through_initialize(rank, 2, STEPS)
     m = 4
     for name in ("gpt", "llama"):
         for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
@@ -120,6 +151,12 @@ def test_two_ranks_every_schedule_equals_single_process(tmp_path):
                 assert r["order"] == [str(a) for a in build_schedule(schedule, rank, 2, 4, 2 if schedule.startswith("inter") else 1)]
                 owned |= set(r["params"])
             assert owned == set(ref_params)  # the two ranks together hold the whole model
+    # dscompile.initialize with a pipeline section: the same numbers as the single-process run,
+    # and each rank's optimizer holds only its own stage's parameters
+    ref_losses, ref_params = _reference("gpt", 2, STEPS, n_layers=2)
+    for rank, res in enumerate(results):
+        _assert_matches(res["initialize"], ref_losses, ref_params, f"initialize/rank{rank}")
+        assert res["initialize"]["optimizer_params"] == len(res["initialize"]["params"])
     # checkpoint (Adam): 2 steps + save + load into a differently initialised model + 1 step
     # == the uninterrupted 3 steps; its loss also equals the single-process run's
     ref_losses, _ = _reference("gpt", 2, 3, optimizer="Adam", n_layers=2)
@@ -171,26 +208,38 @@ def _idle_fractions(rank: int, world: int, schedule: str, m: int) -> tuple[tuple
     return (timeline.busy(), timeline.begin, timeline.finish), [str(a) for a in timeline.order()]
 
 
-def _four_rank_checks(rank: int, world: int) -> dict:
+def _four_rank_checks(rank: int, world: int, tmp: str) -> dict:
     out = {}
+    out["zero1_checkpoint"] = _checkpoint_roundtrip(rank, tmp, 2, zero_stage=1)
     out["pp4_1f1b_gpt"] = _train(rank, "gpt", _config("1f1b", 4, 4, compile_=False), 4, STEPS, {"n_layers": 4})
     out["pp2dp2_gpipe_gpt_ckpt"] = _train(
         rank, "gpt", _config("gpipe", 2, 2, compile_=False, activation_checkpoint_interval=1), 2, STEPS, {"n_layers": 4}
     )
+    zero1 = _config("1f1b", 2, 2, compile_=True)  # SGD: exact against one process (Adam amplifies rounding)
+    zero1["zero_optimization"] = {"stage": 1}
+    out["pp2dp2_zero1_gpt"] = _train(rank, "gpt", zero1, 2, STEPS, {"n_layers": 4})
     out["pp4_interleaved_llama"] = _train(rank, "llama", _config("interleaved_1f1b", 4, 4, compile_=False), 4, STEPS, {"n_layers": 4})
     for schedule in ("gpipe", "1f1b"):
         out[("idle", schedule)] = _idle_fractions(rank, world, schedule, 4)
     return out
 
 
-def test_four_ranks_layouts_equal_single_process_and_idle_time():
+def test_four_ranks_layouts_equal_single_process_and_idle_time(tmp_path):
     from dscompile.runtime.pipeline_schedules import bubble_fraction, build_schedule
 
-    results = run_distributed_or_fail(_four_rank_checks, 4, timeout=400)
+    results = run_distributed_or_fail(_four_rank_checks, 4, str(tmp_path), timeout=600)
     gpt_losses, gpt_params = _reference("gpt", 4, STEPS, n_layers=4)
     dp_losses, dp_params = _reference("gpt", 2, STEPS, dp=2, n_layers=4)
     llama_losses, llama_params = _reference("llama", 4, STEPS, n_layers=4)
     for rank, res in enumerate(results):
+        # ZeRO-1 across the two pipelines: each replica steps half of its stage's tensors
+        _assert_matches(res["pp2dp2_zero1_gpt"], dp_losses, dp_params, f"pp2xdp2 zero-1 rank{rank}")
+        assert 0 < res["pp2dp2_zero1_gpt"]["optimizer_params"] < len(res["pp2dp2_zero1_gpt"]["params"])
+        # ZeRO-1 checkpoint: each replica saves and reloads its shard of the optimizer states
+        ck = res["zero1_checkpoint"]
+        assert ck["steps"] == 3 and ck["loss"] == pytest.approx(ck["continued"], rel=1e-6)
+        for key, value in ck["params"].items():
+            torch.testing.assert_close(value, ck["expected"][key], rtol=1e-6, atol=1e-7, msg=f"zero-1 checkpoint {key}")
         _assert_matches(res["pp4_1f1b_gpt"], gpt_losses, gpt_params, f"pp4 rank{rank}")
         _assert_matches(res["pp2dp2_gpipe_gpt_ckpt"], dp_losses, dp_params, f"pp2xdp2 rank{rank}")
         _assert_matches(res["pp4_interleaved_llama"], llama_losses, llama_params, f"interleaved pp4 rank{rank}")
@@ -203,3 +252,23 @@ def test_four_ranks_layouts_equal_single_process_and_idle_time():
             assert order == [str(a) for a in build_schedule(schedule, rank, 4, 4)]
             idle = 1.0 - busy / (finish - begin)  # idle share of the whole step on this rank
             assert idle == pytest.approx(bubble_fraction(4, 4), abs=0.06), (schedule, rank, idle)
+
+
+def test_train_gpt_example_runs_the_pipeline_config(tmp_path):
+    """What the README tells a new user to type: torchrun + examples/train_gpt.py + examples/pipeline.json."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "examples" / "train_gpt.py"), "--config", str(root / "examples" / "pipeline.json"),
+           "--steps", "2", "--layers", "2", "--save", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pipeline 2 stages x 1 data-parallel, schedule 1f1b" in proc.stdout
+    assert "step    2  loss" in proc.stdout
+    saved = sorted(p.name for p in (tmp_path / "global_step2").iterdir())
+    assert saved == ["pipe_rank_00_states.pt", "pipe_rank_01_states.pt", "pipe_stage_00_model_states.pt", "pipe_stage_01_model_states.pt"]

@@ -180,7 +180,7 @@ needs_interpreter = pytest.mark.skipif(
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode", ["fixed", "bigbird", "bslongformer", "variable"])
+@pytest.mark.parametrize("mode", ["dense", "fixed", "bigbird", "bslongformer", "variable"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_matches_dense(mode: str, causal: bool) -> None:
     _compare("triton", mode, 64, causal, with_bias=mode in ("bigbird", "variable"))

@@ -205,7 +205,6 @@ def test_zoo_rewritten_with_full_layout_matches_eager(name: str) -> None:
     ref = copy.deepcopy(case.model)
     batch = case.batch()
     section = {"mode": "fixed", "block": 16, "num_local_blocks": 2}
-    gm_codes: list[str] = []
     torch._dynamo.reset()
     compiled = torch.compile(case.model, backend="dscompile", options={"sparse_attention": section, "lower": "eager"})
     loss = compiled(*batch)
@@ -215,7 +214,6 @@ def test_zoo_rewritten_with_full_layout_matches_eager(name: str) -> None:
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     for a, b in zip(case.model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
-    del gm_codes
 
 
 def test_textual_pipeline_and_dump(tmp_path) -> None:  # noqa: ANN001

@@ -14,6 +14,7 @@ from dscompile.sparsity import (
     BSLongformerSparsityConfig,
     DenseSparsityConfig,
     FixedSparsityConfig,
+    LocalSlidingWindowSparsityConfig,
     SparseAttentionConfig,
     SparsityConfig,
     VariableSparsityConfig,
@@ -145,6 +146,20 @@ def test_bslongformer_rules() -> None:
     ranged = BSLongformerSparsityConfig(1, 16, num_sliding_window_blocks=1, global_block_indices=[3],
                                         global_block_end_indices=[5], attention="unidirectional").make_layout(128)[0]  # fmt: skip
     assert bool((ranged.triu(1) == 0).all()) and bool((ranged[3:, 3] == 1).all()) and bool((ranged[4, :5] == 1).all())
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "unidirectional"])
+def test_local_sliding_window_rules(attention: str) -> None:
+    lay = LocalSlidingWindowSparsityConfig(3, 16, num_sliding_window_blocks=5, attention=attention).make_layout(16 * 10)
+    assert lay.shape == (3, 10, 10) and all(torch.equal(lay[0], lay[h]) for h in range(3))
+    for i in range(10):
+        for j in range(10):
+            inside = abs(i - j) <= 2 and (attention == "bidirectional" or j <= i)
+            assert lay[0, i, j] == int(inside), (i, j)
+    with pytest.raises(ValueError, match="exceeds the number of blocks"):
+        LocalSlidingWindowSparsityConfig(1, 16, num_sliding_window_blocks=5).make_layout(64)
+    with pytest.raises(ValueError, match="unidirectional"):
+        LocalSlidingWindowSparsityConfig(1, 16, attention="causal")
 
 
 def test_same_layout_for_every_head_unless_asked() -> None:

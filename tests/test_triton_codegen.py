@@ -28,6 +28,7 @@ from dscompile.backends.triton_codegen import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+aten = torch.ops.aten
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
 
@@ -100,7 +101,9 @@ CASES = {
     "amax_amin": (lambda a: a.amax(-1) - a.amin(-1), [(9, 13)]),
     "view_then_norm": (lambda a: torch.softmax(a.view(2, 3, 8) * 2, -1), [(6, 8)]),
     "permute_pointwise": (lambda a: (a.permute(1, 0, 2) + 1).sin(), [(3, 4, 5)]),
-    "cast_chain": (lambda a: (a.to(torch.float64) * 2).to(torch.float32) + 1, [(4, 4)]),
+    # Casts up and back down, and a mixed-dtype op that promotes to fp32; at every input dtype.
+    "cast_chain": (lambda a: ((a.to(torch.float64) * 2).to(torch.float32) + 1, (a.float() * 3).to(a.dtype) + a), [(4, 4)]),
+    "promote_mixed": (lambda a, b: (a * b.float(), torch.where(a > 0, a.to(torch.float64), 0.5)), [(3, 17), (17,)]),
 }
 
 
@@ -108,8 +111,6 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_op_table(name, dtype):
     fn, shapes = CASES[name]
-    if name == "cast_chain" and dtype != torch.float32:
-        pytest.skip("the cast chain is written for fp32")
     gen = torch.Generator().manual_seed(hash(name) % 1000)
     inputs = [torch.randn(s, generator=gen).to(dtype).to(DEVICE) for s in shapes]
     check(fn, *inputs, dtype=dtype)
@@ -153,6 +154,20 @@ def test_odd_sizes(shape):
     check(lambda a: (a - a.mean(-1, keepdim=True)) * torch.rsqrt(a.var(-1, keepdim=True, correction=0) + 1e-5), x)
 
 
+def test_several_programs_with_a_ragged_tail():
+    """Sizes that need more than one program (at the interpreter's tile sizes too) and end mid-tile."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(131, 129, generator=g).to(DEVICE)  # 16899 elements: past one 16384-wide pointwise tile
+    results = check(lambda a: torch.sigmoid(a) * a + 1, x)
+    (src,) = [r for r in results.values() if not isinstance(r, str)]
+    assert src.kind == "pointwise" and src.xnumel == 131 * 129
+    y = torch.randn(300, 257, generator=g).to(DEVICE)  # RBLOCK 512 with 255 masked columns; rows past one tile
+    results = check(lambda a: torch.log_softmax(a, -1), y)
+    src = next(r for r in results.values() if not isinstance(r, str))
+    assert src.kind == "reduction" and src.rblock == 512 and src.xnumel == 300
+    assert "rmask = r < 257" in src.source and "xmask = x < 300" in src.source
+
+
 # ---------------------------------------------------------------- cache
 
 
@@ -181,13 +196,14 @@ def random_graph(draw):
     steps = draw(st.lists(st.tuples(st.booleans(), st.integers(0, 6), st.integers(0, 4), st.booleans()), min_size=1, max_size=6))
     reduce = draw(st.sampled_from(_REDUCE))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-    return rows, cols, steps, reduce, dtype
+    transposed = draw(st.booleans())
+    return rows, cols, steps, reduce, dtype, transposed
 
 
 @settings(max_examples=25, deadline=None)
 @given(random_graph())
 def test_random_pointwise_reduction_graphs(spec):
-    rows, cols, steps, reduce, dtype = spec
+    rows, cols, steps, reduce, dtype, transposed = spec
 
     def fn(a, b):
         v = a
@@ -208,6 +224,8 @@ def test_random_pointwise_reduction_graphs(spec):
 
     g = torch.Generator().manual_seed(rows * 100 + cols)
     a = torch.randn(rows, cols, generator=g).to(dtype).to(DEVICE)
+    if transposed:  # the same values, read through a column-major (strided) layout
+        a = a.t().contiguous().t()
     b = torch.randn(cols, generator=g).to(dtype).to(DEVICE)
     gm, results = lowered(fn, a, b)
     got, want = gm(a, b), fn(a, b)
@@ -243,3 +261,56 @@ def test_matmul_epilogue_falls_back_for_batched_operands():
     a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
     assert "2-D" in template_applies(a, b, None, None)
     torch.testing.assert_close(matmul_epilogue(a, b), a @ b)
+
+
+# ---------------------------------------------------------------- matmul + epilogue folded in a graph
+
+
+def _mlp_block(x, w1, b1, w2, b2):
+    h = F.gelu(F.linear(x, w1, b1), approximate="tanh")
+    return F.linear(h, w2, b2) + x, torch.relu(F.linear(x, w1))
+
+
+def test_fold_matmul_epilogues_rewrites_chains_and_matches_eager():
+    from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues, matmul_epilogue_call
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 12, generator=g).to(DEVICE)
+    w1, b1 = torch.randn(20, 12, generator=g).to(DEVICE), torch.randn(20, generator=g).to(DEVICE)
+    w2, b2 = torch.randn(12, 20, generator=g).to(DEVICE), torch.randn(12, generator=g).to(DEVICE)
+    gm = make_fx(_mlp_block, decomposition_table=triton_decompositions(), tracing_mode="fake")(x, w1, b1, w2, b2)
+    assert fold_matmul_epilogues(gm, enabled=True) == 3
+    calls = [n for n in gm.graph.nodes if n.target is matmul_epilogue_call]
+    # addmm+view+gelu_tanh, addmm+view+residual add, mm+view+relu: nothing of the chains is left
+    assert sorted(n.args[4] for n in calls) == ["gelu_tanh", "none", "relu"]
+    assert sum(n.args[3] is not None for n in calls) == 1
+    assert not [n for n in gm.graph.nodes if n.target in (aten.addmm.default, aten.mm.default, aten.gelu.default, aten.relu.default)]
+    lower_regions(gm)  # the folded calls stay calls: the template is not a region
+    assert len([n for n in gm.graph.nodes if n.target is matmul_epilogue_call]) == 3
+    gm.recompile()
+    for got, want in zip(gm(x, w1, b1, w2, b2), _mlp_block(x, w1, b1, w2, b2), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_fold_keeps_intermediates_used_elsewhere():
+    from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues, matmul_epilogue_call
+
+    def fn(a, w, b, r):
+        h = torch.addmm(b, a, w)
+        g = torch.mm(a, w)
+        # h is needed outside the chain, so relu is not folded and addmm (bias only) stays one aten call;
+        # g's relu is its only user, so mm + relu + residual fold
+        return torch.relu(h), h * 2, torch.relu(g) + r
+
+    a, w, b, r = torch.randn(6, 4), torch.randn(4, 5), torch.randn(5), torch.randn(6, 5)
+    gm = make_fx(fn, tracing_mode="fake")(a, w, b, r)
+    assert fold_matmul_epilogues(gm, enabled=True) == 1
+    (call,) = [n for n in gm.graph.nodes if n.target is matmul_epilogue_call]
+    assert call.args[2] is None and call.args[3] is not None and call.args[4] == "relu"
+    assert [n.target for n in gm.graph.nodes].count(aten.addmm.default) == 1
+    assert [n.target for n in gm.graph.nodes].count(aten.relu.default) == 1
+    for got, want in zip(gm(a, w, b, r), fn(a, w, b, r), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # off the GPU the lowering leaves matmuls to aten unless asked
+    gm2 = make_fx(fn, tracing_mode="fake")(a, w, b, r)
+    assert fold_matmul_epilogues(gm2) == (1 if torch.cuda.is_available() else 0)

@@ -17,7 +17,14 @@ import pytest
 from dscompile.backends import triton_kernels_cache as kc
 from dscompile.zoo import build
 
-SMALL = {"mlp": {}, "gpt": {"seq_len": 8, "n_layers": 1}, "llama": {"seq_len": 8, "n_layers": 1}}
+SMALL = {
+    "mlp": {},
+    "cnn": {},
+    "gpt": {"seq_len": 8, "n_layers": 1},
+    "gpt_explicit": {"seq_len": 8, "n_layers": 1},
+    "llama": {"seq_len": 8, "n_layers": 1},
+    "bert": {"seq_len": 8, "n_layers": 1},
+}
 
 
 def _grads(model):
@@ -32,17 +39,22 @@ def run_compiled(case, options):
     return compiled, loss
 
 
+def _assert_matches_eager(case, reference, loss):
+    """Loss and every gradient of the compiled step equal eager's (fp32: loss 1e-5, gradients atol 1e-5 / rtol 1e-4)."""
+    want = reference(*case.batch())
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    for got, ref in zip(_grads(case.model), _grads(reference), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_zoo_matches_eager(name):
     case = build(name, seed=0, **SMALL[name])
     reference = copy.deepcopy(case.model)
     kc.LOWERED_GRAPHS.clear()
     compiled, loss = run_compiled(case, {"lower": "triton"})
-    want = reference(*case.batch())
-    want.backward()
-    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
-    for got, ref in zip(_grads(case.model), _grads(reference), strict=True):
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    _assert_matches_eager(case, reference, loss)
 
     graphs = dict(kc.LOWERED_GRAPHS)
     assert any(k.endswith(".forward") for k in graphs) and any(k.endswith(".backward") for k in graphs)
@@ -70,3 +82,50 @@ def test_pipeline_without_fuse_still_lowers_regions():
     kc.LOWERED_GRAPHS.clear()
     run_compiled(case, {"pipeline": "cse,dce,lower(triton)"})
     assert sum(g["kernels"] for g in kc.LOWERED_GRAPHS.values()) >= 1
+
+
+def test_matmul_epilogue_template_in_a_training_compile(monkeypatch):
+    """With the template switched on (as on a GPU), addmm+relu chains become one template call."""
+    from dscompile.kernels import matmul_epilogue
+
+    monkeypatch.setattr(matmul_epilogue, "template_by_default", lambda: True)
+    case = build("mlp", seed=0)
+    reference = copy.deepcopy(case.model)
+    kc.LOWERED_GRAPHS.clear()
+    _, loss = run_compiled(case, {"lower": "triton"})
+    _assert_matches_eager(case, reference, loss)
+    forward = next(g for k, g in kc.LOWERED_GRAPHS.items() if k.endswith(".forward"))
+    assert forward["matmul_templates"] >= 2
+
+
+def test_dump_shows_regions_reasons_and_kernels(tmp_path):
+    case = build("mlp", seed=0)
+    run_compiled(case, {"lower": "triton", "dump": str(tmp_path)})
+    forward = tmp_path / "graph_0.forward"
+    report = (forward / "regions.txt").read_text()
+    assert "region ds_region_0 [kernel ds_pointwise_" in report
+    assert "skipped addmm: aten.addmm: matmul/convolution stays a library call" in report
+    kernels = sorted((forward / "kernels").glob("ds_*.py"))
+    assert kernels and "@triton.jit" in kernels[0].read_text()
+    after_fuse = next(forward.glob("*_fuse")) / "nodes.txt"
+    assert "fusion_skip_reason" in after_fuse.read_text() and '"region": "ds_region_0"' in after_fuse.read_text()
+    page = (tmp_path / "graph_0.html").read_text()
+    assert "fusion_skip_reason" in page and "ds_region_0" in page
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only needed without a GPU")
+def test_triton_lowering_without_interpreter_says_how_to_fix():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, triton.language\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))\n"
+        "try:\n"
+        "    torch.compile(m, backend='dscompile', options={'lower': 'triton'})(torch.randn(2, 4))\n"
+        "except Exception as exc:\n"
+        "    print('ERROR', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert "ERROR" in result.stdout and "TRITON_INTERPRET=1" in result.stdout, result.stdout + result.stderr[-2000:]

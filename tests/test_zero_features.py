@@ -267,6 +267,96 @@ def mismatched_rank(rank: int, world: int) -> None:
     dscompile.initialize(model=case.model, config=_config(3, 1, 0.0))
 
 
+class OddNet(torch.nn.Module):
+    """Every parameter has an odd number of elements, so each shard is padded on two ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(7, 5)
+        self.b = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+def _odd_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + 10 * step + rank)
+    return torch.randn(4, 7, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+ODD_BUCKETS = {"allgather_bucket_size": 20, "reduce_bucket_size": 20, "stage3_prefetch_bucket_size": 40}
+
+
+def odd_sizes_rank(rank: int, world: int) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        engine, _, _, _ = dscompile.initialize(model=OddNet(), config=_config(stage, 1, 0.0, ODD_BUCKETS))
+        assert all(layout.shard_numel * world > layout.numel for layout in engine.zero.layouts)
+        losses = []
+        for step in range(3):
+            loss = engine(*_odd_batch(step, rank))
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(float(total) / world)
+        out[stage] = {"losses": losses, "params": engine.full_parameters()}
+        torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_sizes_not_divisible_by_the_world_are_padded() -> None:
+    results = run_distributed_or_fail(odd_sizes_rank, 2, timeout=240)
+    torch.manual_seed(0)
+    net = OddNet()
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for step in range(3):
+        total = 0.0
+        for rank in range(2):
+            loss = net(*_odd_batch(step, rank)) / 2
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    for stage in (2, 3):
+        _close(results[0][stage]["losses"], losses)
+        for name, value in net.named_parameters():
+            assert_params_close(results[0][stage]["params"][name], value.detach(), f"stage {stage}: {name}")
+
+
+def dead_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    case = _case("gpt")
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0))
+    if rank == 1:
+        return {}  # this rank leaves: its process exits and never joins the first all-gather
+    start = time.monotonic()
+    try:
+        loss = engine(*_micro_batch(case, 0, 0, rank))
+        engine.backward(loss)
+        engine.step()
+    except Exception as exc:  # the failure is the result under test
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_a_dead_rank_fails_the_others_instead_of_hanging() -> None:
+    results = run_distributed_or_fail(dead_rank, 2, timeout=150, collective_timeout=60)
+    error = results[0]["error"]
+    assert error is not None and error.startswith("DSCompileError: ZeRO forward on rank 0"), error
+    assert "another rank died" in error and "connection closed" in error.lower(), error
+    assert results[0]["seconds"] < 60, results[0]  # failed on the closed connection, not at the timeout
+
+
 def stalled_rank(rank: int, world: int) -> float:
     torch.manual_seed(0)
     case = _case("gpt")
@@ -295,4 +385,5 @@ def test_a_stalled_rank_fails_the_others_with_a_timeout() -> None:
     with pytest.raises(DistributedTestError) as info:
         run_distributed(stalled_rank, 2, timeout=90, collective_timeout=5)
     assert info.value.rank == 0 and "timed out" in str(info.value).lower()
+    assert "ZeRO forward on rank 0" in str(info.value) and "stalled past the process group timeout" in str(info.value)
 

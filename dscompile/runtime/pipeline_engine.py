@@ -10,12 +10,17 @@ captured whole by Dynamo, partitioned (``passes/pipeline_split.py``) and cut int
 rank keeps only its stages (their parameters; the others are freed), compiles them with the
 dscompile backend and runs its schedule. Ranks are laid out ``rank = data_parallel_rank * stages
 + stage``; gradients are averaged over the data-parallel group and summed over the ranks that
-share a tied parameter. Every rank consumes ``micro_batches`` items of its ``data_iter`` per
+share a tied parameter. With ``zero_optimization.stage`` 1 the optimizer states of each stage are
+partitioned across its data-parallel replicas (each steps its share, then broadcasts it), as
+DeepSpeed's ZeRO-1 does across pipelines; stages 2 and 3 are refused, as in DeepSpeed.
+``dscompile.initialize`` returns this engine for a config with a ``pipeline`` section. Every
+rank consumes ``micro_batches`` items of its ``data_iter`` per
 ``train_batch`` (ranks that read no inputs may pass None once the engine is built).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -38,6 +43,16 @@ from dscompile.runtime.pipeline_schedules import build_schedule
 log = logging.getLogger("dscompile.pipeline_engine")
 
 LATEST = "latest"
+
+
+def check_pipeline_world(world_size: int, stages: int) -> None:
+    """Ranks form ``world_size / stages`` pipelines of ``stages`` ranks: the division must be exact."""
+    if world_size % stages:
+        raise DSCompileConfigError(
+            "pipeline.stages",
+            f"world size {world_size} is not divisible by {stages} pipeline stages",
+            f"launch a multiple of {stages} processes or change pipeline.stages",
+        )
 
 
 class _WithLoss(nn.Module):
@@ -150,18 +165,19 @@ class PipelineEngine:
         if pcfg is None:
             raise DSCompileConfigError("pipeline", "PipelineEngine needs a 'pipeline' section", 'add "pipeline": {"stages": N}')
         zero = self.config.sections.get("zero_optimization")
-        if zero is not None and zero.stage > 0:
-            raise DSCompileNotSupportedError("zero_optimization", "ZeRO combined with pipeline parallelism")
+        self.zero_stage = zero.stage if zero is not None else 0
+        if self.zero_stage > 1:
+            raise DSCompileConfigError(
+                "zero_optimization.stage",
+                f"ZeRO stage {self.zero_stage} cannot be combined with pipeline parallelism (each rank already holds only its stage's "
+                "parameters and gradients)",
+                "use stage 1 (optimizer states partitioned across the data-parallel replicas) or 0, as DeepSpeed requires",
+            )
         self.pcfg = pcfg
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.global_rank = dist.get_rank() if self.world_size > 1 else 0
         self.num_stages = pcfg.stages
-        if self.world_size % self.num_stages:
-            raise DSCompileConfigError(
-                "pipeline.stages",
-                f"world size {self.world_size} is not divisible by {self.num_stages} pipeline stages",
-                f"launch a multiple of {self.num_stages} processes or change pipeline.stages",
-            )
+        check_pipeline_world(self.world_size, self.num_stages)
         self.dp_size = self.world_size // self.num_stages
         self.stage_id = self.global_rank % self.num_stages
         self.dp_id = self.global_rank // self.num_stages
@@ -210,6 +226,34 @@ class PipelineEngine:
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
+    # -- DeepSpeed's pipeline-mode API ---------------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (DeepSpeed's name for them)."""
+        return self.micro_batches
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every optimizer parameter group (empty before the optimizer exists)."""
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def _only_train_batch(self, name: str) -> RuntimeError:
+        return RuntimeError(
+            f"PipelineEngine.{name}(): in pipeline mode one call runs forward, backward and the step of every "
+            "micro-batch; use engine.train_batch(data_iter) (or eval_batch) instead, as with DeepSpeed's PipelineEngine"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise self._only_train_batch("__call__")
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise self._only_train_batch("forward")
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise self._only_train_batch("backward")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise self._only_train_batch("step")
+
     def _make_dp_groups(self) -> None:
         if self.dp_size == 1:
             return
@@ -245,6 +289,7 @@ class PipelineEngine:
         mine = {pid for pid, ranks in owners.items() if self.stage_id in ranks}
         self._params = [p for pid, p in by_id.items() if pid in mine and p.requires_grad]
         self._owned_ids = mine
+        self._opt_params = self._zero1_partition()
         with torch.no_grad():
             for p in self.root.parameters():
                 if id(p) not in mine:
@@ -254,13 +299,57 @@ class PipelineEngine:
         self.runners = {}
         for s in self.local_stages:
             module = self.program.stages[s].module
-            fn = torch.compile(module, backend="dscompile", options=self.config, dynamic=False) if self.pcfg.compile else module
+            fn = torch.compile(module, backend="dscompile", options=self._stage_config(), dynamic=False) if self.pcfg.compile else module
             self.runners[s] = GraphStageRunner(fn, checkpoint)
         self._filter_optimizer()
         log.info("rank %d: stages %s, %d parameters", self.global_rank, self.local_stages, sum(p.numel() for p in self._params))
         if self._pending_load is not None:
             args, self._pending_load = self._pending_load, None
             self.load_checkpoint(*args)
+
+    def _stage_config(self) -> DSConfig:
+        """The config the stage graphs compile with: ZeRO-1 is the engine's job here, not a graph pass."""
+        sections = {k: v for k, v in self.config.sections.items() if k != "zero_optimization"}
+        return dataclasses.replace(self.config, sections=sections)
+
+    @property
+    def zero1_sharded(self) -> bool:
+        """True when ZeRO-1 partitions this stage's optimizer states across data-parallel replicas."""
+        return self.zero_stage == 1 and self.dp_size > 1
+
+    def _zero1_partition(self) -> list[nn.Parameter]:
+        """The parameters this rank's optimizer steps. Under ZeRO-1 each data-parallel replica of
+        a stage owns about 1/dp of its elements (greedy, largest first; the same on every replica),
+        keeps their optimizer state, and broadcasts them after the step."""
+        self._owner: dict[int, int] = {}
+        if not self.zero1_sharded:
+            return list(self._params)
+        if len(self._params) < self.dp_size:
+            raise DSCompileConfigError(
+                "zero_optimization.stage",
+                f"stage {self.stage_id} has {len(self._params)} parameter tensors, fewer than {self.dp_size} data-parallel replicas to shard over",
+                "use ZeRO stage 0 for this layout",
+            )
+        loads = [0] * self.dp_size
+        for i in sorted(range(len(self._params)), key=lambda i: (-self._params[i].numel(), i)):
+            d = min(range(self.dp_size), key=lambda d: (loads[d], d))
+            self._owner[id(self._params[i])] = d
+            loads[d] += self._params[i].numel()
+        return [p for p in self._params if self._owner[id(p)] == self.dp_id]
+
+    def _broadcast_updated(self) -> None:
+        """ZeRO-1: every replica sends the parameters it stepped to the others of its stage."""
+        group = self._dp_groups[self.stage_id]
+        with torch.no_grad():
+            for d in range(self.dp_size):
+                params = [p for p in self._params if self._owner[id(p)] == d]
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                dist.broadcast(flat, src=d * self.num_stages + self.stage_id, group=group)
+                if d != self.dp_id:
+                    offset = 0
+                    for p in params:
+                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
 
     def _make_tied_groups(self, owners: dict[int, set[int]], by_id: dict[int, nn.Parameter]) -> None:
         tied_sets: dict[tuple[int, ...], list[int]] = {}
@@ -278,7 +367,7 @@ class PipelineEngine:
         if self.optimizer is None and self.config.optimizer is not None:
             from dscompile.runtime.optimizers import build_optimizer
 
-            self.optimizer = build_optimizer(self.config.optimizer, self._params)
+            self.optimizer = build_optimizer(self.config.optimizer, self._opt_params)
             if self.lr_scheduler is None and self.config.scheduler is not None:
                 from dscompile.runtime.schedulers import build_scheduler
 
@@ -288,7 +377,7 @@ class PipelineEngine:
             return
         if self.optimizer.state:
             raise DSCompileConfigError("optimizer", "already holds state; the pipeline engine must partition it before the first step")
-        mine = {id(p) for p in self._params}
+        mine = {id(p) for p in self._opt_params}
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in mine]  # in place: the caller's object stays valid
 
@@ -315,6 +404,13 @@ class PipelineEngine:
             item = next(data_iter)
             batches.append(tuple(item) if isinstance(item, (tuple, list)) else (item,))
         return batches
+
+    def prepare(self, example_batch: Sequence[Any]) -> None:
+        """Capture, partition and compile now from one micro-batch (otherwise the first
+        ``train_batch`` does it); a no-op once built. Call it before ``load_checkpoint`` to restore
+        the step count before the first batch is drawn."""
+        if self.program is None:
+            self._build(tuple(example_batch) if isinstance(example_batch, (tuple, list)) else (example_batch,))
 
     def _ensure_built(self, batches: list[Sequence[Any]] | None) -> None:
         if self.program is None:
@@ -377,7 +473,10 @@ class PipelineEngine:
         if self.config.gradient_clipping > 0:
             self._clip(self.config.gradient_clipping)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero1_sharded:
+            self._broadcast_updated()
+        for p in self._params:  # the optimizer's zero_grad would miss, under ZeRO-1, the parameters other replicas step
+            p.grad = None
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -430,7 +529,8 @@ class PipelineEngine:
                 torch.save(state, directory / f"pipe_stage_{s:02d}_model_states.pt")
             torch.save(
                 {
-                    "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                    "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not self.zero1_sharded else None,
+                    "zero1_replicas": self.dp_size if self.zero1_sharded else 0,
                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                     "global_steps": self.global_steps,
                     "bounds": self.program.plan.bounds,
@@ -438,11 +538,33 @@ class PipelineEngine:
                 },
                 directory / f"pipe_rank_{self.stage_id:02d}_states.pt",
             )
+        if self.zero1_sharded and self.optimizer is not None:  # each replica's shard of the optimizer states
+            directory.mkdir(parents=True, exist_ok=True)
+            torch.save(self.optimizer.state_dict(), directory / self._zero1_optim_file())
         if self.world_size > 1:
             dist.barrier()
         if self.global_rank == 0:
             (Path(save_dir) / LATEST).write_text(str(tag))
         return directory
+
+    def _zero1_optim_file(self) -> str:
+        return f"pipe_rank_{self.stage_id:02d}_dp_{self.dp_id:02d}_optim_states.pt"
+
+    def _load_optimizer(self, directory: Path, state: dict) -> None:
+        """The optimizer states as saved: whole per stage, or (ZeRO-1) this replica's shard."""
+        shard = directory / self._zero1_optim_file()
+        if self.zero1_sharded and state.get("zero1_replicas") == self.dp_size and shard.is_file():
+            self.optimizer.load_state_dict(torch.load(shard, map_location="cpu", weights_only=False))
+        elif not self.zero1_sharded and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            saved = state.get("zero1_replicas", 0)
+            log.warning(
+                "checkpoint %s has no optimizer states for this layout (ZeRO-1 shards saved over %d replicas, %d now): loaded the weights only",
+                directory,
+                saved,
+                self.dp_size if self.zero1_sharded else 0,
+            )
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True) -> tuple[str | None, dict | None]:
         """Restore parameters by name from every stage file (so another stage count works for the
@@ -473,8 +595,8 @@ class PipelineEngine:
             state = torch.load(rank_file, map_location="cpu", weights_only=False)
             client = state["client_state"]
             if state["bounds"] == self.program.plan.bounds:
-                if load_optimizer_states and self.optimizer is not None and state["optimizer"] is not None:
-                    self.optimizer.load_state_dict(state["optimizer"])
+                if load_optimizer_states and self.optimizer is not None:
+                    self._load_optimizer(directory, state)
                 if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
                     self.lr_scheduler.load_state_dict(state["lr_scheduler"])
                 self.global_steps = state["global_steps"]

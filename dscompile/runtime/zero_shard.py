@@ -14,6 +14,7 @@ gradients at the accumulation boundary (``ZeroPartition.reduce_gradients``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class ZeroPartition:
         # Out-of-graph buckets are transient flat copies: cap them so ZeRO-1/2 never hold a second
         # full copy of the model while refreshing parameters or reducing gradients.
         self.bucket_bytes = max(1, min(int(bucket_bytes), OUT_OF_GRAPH_BUCKET_CAP))
+        # dtype of ZeRO-1's gradient reduce-scatter (``communication_data_type``); None: the gradients' own.
+        self.comm_dtype: torch.dtype | None = None
         aliases: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -164,10 +167,13 @@ class ZeroPartition:
                 g = self.full_params[i].grad.reshape(-1)
                 rows.append(F.pad(g, (0, self.layouts[i].shard_numel * self.world - g.numel())).view(self.world, -1))
             flat = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+            grad_dtype = flat.dtype
+            if self.comm_dtype is not None and self.world > 1:
+                flat = flat.to(self.comm_dtype)
             out = flat.new_empty(flat.numel() // self.world)
             if self.world > 1:
                 dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.group)
-                out.div_(self.world)
+                out = out.to(grad_dtype).div_(self.world)
             else:
                 out.copy_(flat)
             offset = 0
@@ -262,6 +268,30 @@ def check_same_parameters(named: list[tuple[str, torch.Tensor]], group: dist.Pro
                 f"ZeRO: parameter '{named[row][0]}' differs between rank 0 and rank {rank}; every rank must start "
                 "from the same weights (seed the model identically, or load the same checkpoint on every rank)"
             )
+
+
+_PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout", "nccl error")
+
+
+@contextlib.contextmanager
+def explain_collective_failure(rank: int, what: str) -> Iterator[None]:
+    """Re-raise a failed collective as what it almost always means under ZeRO: a peer died, stalled or diverged.
+
+    The collective itself fails on its own (a closed connection at once, a stalled peer at the
+    process group's ``timeout``); this only names the likely cause and where to look.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, DSCompileError) or not (
+            isinstance(exc, dist.DistError) or any(marker in str(exc).lower() for marker in _PEER_FAILURE_MARKERS)
+        ):
+            raise
+        raise DSCompileError(
+            f"ZeRO {what} on rank {rank}: a collective failed, so another rank died, stalled past the process group "
+            f"timeout (init_process_group(timeout=...)), or issued different collectives; the first error in the other "
+            f"ranks' logs is the cause. {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 class ZeroModule(nn.Module):

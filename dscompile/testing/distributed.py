@@ -398,6 +398,12 @@ def _rank_main(
         os._exit(1)  # skip atexit: a broken process group can hang interpreter shutdown
     _send(conn, message)
     conn.close()
+    # The result is delivered and the process group destroyed: skip interpreter finalization.
+    # Tearing down torch's C++ state there (gloo and c10d threads holding tensors) can abort with
+    # 'terminate called without an active exception' long after the rank's work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _send(conn: Connection, data: bytes) -> None:
