@@ -44,6 +44,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def interpret_without_gpu() -> bool:
+    """Switch Triton's interpreter on where no GPU can run kernels and the user chose nothing; True if switched.
+
+    Only effective before triton is imported (see ``ensure_runnable``)."""
+    if "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
 def ensure_runnable() -> None:
     """Without a GPU, generated kernels can only run in Triton's interpreter: switch it on.
 
@@ -63,7 +73,7 @@ def ensure_runnable() -> None:
             "start Python with TRITON_INTERPRET=1 in the environment, or use lower='inductor' (the CPU default)",
         )
     log.warning("no CUDA device: running dscompile's Triton kernels in Triton's interpreter (TRITON_INTERPRET=1), which is slow")
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"  # also where the variable is set to "0": no GPU can run the kernels
 
 
 def _source_dir() -> Path:

@@ -220,23 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interpret_triton_without_gpu() -> None:
-    """Without CUDA, Triton kernels (``lower=triton``, sparse attention) only run in Triton's
-    interpreter, which must be switched on before anything imports triton."""
-    import os
-
-    if "TRITON_INTERPRET" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from dscompile.errors import DSCompileError
 
     args = build_parser().parse_args(argv)
-    _interpret_triton_without_gpu()
+    from dscompile.backends.triton_kernels_cache import interpret_without_gpu
+
+    interpret_without_gpu()  # Triton kernels (lower=triton, sparse attention) need it before triton is imported
     try:
         return args.func(args)
     except (CLIError, DSCompileError) as exc:

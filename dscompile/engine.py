@@ -16,6 +16,7 @@ the accumulation boundary. Clipping uses the global norm over all shards, an ove
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -144,10 +145,14 @@ class DSCompileEngine(nn.Module):
 
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explain_collective_failure("forward"):
+            return self._compiled(*args, **kwargs)
+
+    def _explain_collective_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Under multi-rank ZeRO a failed collective means a dead, stalled or diverged peer: say so."""
         if self.zero is not None and self.world_size > 1:
-            with explain_collective_failure(self.rank, "forward"):  # a dead or stalled peer: say so
-                return self._compiled(*args, **kwargs)
-        return self._compiled(*args, **kwargs)
+            return explain_collective_failure(self.rank, what)
+        return contextlib.nullcontext()
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -164,10 +169,7 @@ class DSCompileEngine(nn.Module):
         scaled = loss / self.gradient_accumulation_steps if scale_wrt_gas and self.gradient_accumulation_steps > 1 else loss
         if self.loss_scaler is not None:
             scaled = self.loss_scaler.scale(scaled)
-        if self.zero is not None and self.world_size > 1:
-            with explain_collective_failure(self.rank, "backward"):
-                scaled.backward()
-        else:
+        with self._explain_collective_failure("backward"):
             scaled.backward()
         return loss
 
