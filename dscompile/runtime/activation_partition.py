@@ -54,7 +54,8 @@ def partition_group(group_size: int) -> PartitionGroup:
     the same graphs); ``group_size`` equal to the world size reuses the default group.
     """
     import torch.distributed as dist
-    from torch.distributed._functional_collectives import _resolve_group_name
+
+    from dscompile.runtime.zero_ops import group_name_of
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if group_size <= 0 or world % group_size:
@@ -66,7 +67,7 @@ def partition_group(group_size: int) -> PartitionGroup:
         else:
             group, _all = dist.new_subgroups(group_size)
         start = rank - rank % group_size
-        _GROUPS[key] = PartitionGroup(_resolve_group_name(group), group_size, rank % group_size, tuple(range(start, start + group_size)))
+        _GROUPS[key] = PartitionGroup(group_name_of(group), group_size, rank % group_size, tuple(range(start, start + group_size)))
     return _GROUPS[key]
 
 
