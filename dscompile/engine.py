@@ -2,24 +2,20 @@
 
 A DeepSpeed training script ports by changing its import: ``engine(batch)``,
 ``engine.backward(loss)``, ``engine.step()``, ``save_checkpoint``/``load_checkpoint``, with the
-config's optimizer, scheduler, gradient accumulation and clipping. With several processes and no
-ZeRO, gradients are averaged across ranks (plain data parallelism).
+config's optimizer, scheduler, gradient accumulation and clipping.
 
-With ``zero_optimization.stage`` 1-3 the engine partitions the parameters
-(``dscompile.runtime.zero_shard``): the optimizer steps this rank's flat shards, ZeRO-2/3 compile a
-``ZeroModule`` whose graphs carry the gradient reduce-scatters (and ZeRO-3's parameter
-all-gathers) placed by the ``zero*`` passes, ZeRO-1 reduce-scatters gradients once per batch at
-the accumulation boundary. Clipping uses the global norm over all shards, an overflow reported by
-``loss_scaler`` on any rank skips the step on every rank, and checkpoints are per-rank shard files
-(``dscompile.runtime.zero_checkpoint``).
+``DSCompileEngine`` is a shell over the engine core (``dscompile.runtime.engine_core``): it compiles
+one module and runs forward and backward; the optimizer step, gradient reduction across ranks,
+overflow agreement, clipping, counters, timers and checkpoint contents are the core's, and
+capabilities plug in as core extensions and gradient strategies: plain data parallelism by
+default (``runtime/data_parallel.py``), ZeRO 1-3 (``runtime/zero_extension.py``), mixed precision
+and loss scaling (``runtime/loss_scaler.py``), ZeRO profiling (``runtime/zero_profile.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,55 +26,30 @@ from torch import nn
 
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.data_parallel import DataParallelGradients
+from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agree_any, params_or_error, register_engine_extension
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
-from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
+from dscompile.runtime.zero_extension import shard_optimizer
 
 if TYPE_CHECKING:
     from dscompile.runtime.pipeline_engine import PipelineEngine
 
 log = logging.getLogger("dscompile.engine")
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
-LATEST = "latest"
+__all__ = [
+    "LATEST",
+    "MODEL_STATES",
+    "DSCompileEngine",
+    "initialize",
+    "register_engine_extension",
+    "shard_optimizer",
+    "_agree_any",
+]
 
 
-EngineExtension = Callable[["DSCompileEngine"], None]
-_ENGINE_EXTENSIONS: list[tuple[int, str, EngineExtension]] = []
-
-
-def register_engine_extension(order: int, name: str) -> Callable[[EngineExtension], EngineExtension]:
-    """Let a capability module configure every new engine (set a loss scaler, shard the optimizer...).
-
-    ``fn(engine)`` runs at the end of ``DSCompileEngine.__init__`` (before the model is compiled),
-    in ``order``; it reads ``engine.config.sections`` and does nothing when its capability is off.
-    """
-
-    def decorator(fn: EngineExtension) -> EngineExtension:
-        _ENGINE_EXTENSIONS[:] = [e for e in _ENGINE_EXTENSIONS if e[1] != name]
-        _ENGINE_EXTENSIONS.append((order, name, fn))
-        _ENGINE_EXTENSIONS.sort(key=lambda e: (e[0], e[1]))
-        return fn
-
-    return decorator
-
-
-class LossScaler:
-    """Protocol a mixed-precision loss scaler implements; the engine calls it when one is set."""
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:  # pragma: no cover - protocol
-        raise NotImplementedError
-
-    def unscale_and_check(self, parameters: list[nn.Parameter]) -> bool:  # pragma: no cover - protocol
-        """Divide gradients by the scale; return True when any rank saw inf/NaN."""
-        raise NotImplementedError
-
-    def update(self, overflow: bool) -> None:  # pragma: no cover - protocol
-        raise NotImplementedError
-
-
-class DSCompileEngine(nn.Module):
-    """Training engine: a compiled module, its optimizer and the step logic around them."""
+class DSCompileEngine(nn.Module, EngineCore):
+    """Training engine: a compiled module, its optimizer and the engine core's step around them."""
 
     def __init__(
         self,
@@ -89,70 +60,34 @@ class DSCompileEngine(nn.Module):
         *,
         compile_model: bool = True,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         if config.sections.get("pipeline_parallel") is not None:
             raise DSCompileConfigError(
                 "pipeline", "DSCompileEngine does not run pipeline parallelism", "use dscompile.initialize(...), which returns a PipelineEngine for it"
             )
+        params_or_error(model, needs_training=optimizer is not None)
         self.module = model
-        self.config = config
-        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world_size > 1 else 0
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.loss_scaler: LossScaler | None = None
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._global_grad_norm: float | None = None
-        # dtype of the gradient reductions done here (set from ``communication_data_type`` by the
-        # mixed-precision extension); None reduces in the gradients' own dtype.
-        self.communication_data_type: torch.dtype | None = None
-        self.zero_config = _zero_section(config)
-        self.zero: ZeroPartition | None = None
-        self.zero_module: nn.Module | None = None
-        if self.zero_config is not None:
-            self._setup_zero()
-        elif self.world_size > 1:
-            self._broadcast_parameters()
-        for _order, _name, extension in _ENGINE_EXTENSIONS:
-            extension(self)
-        target = self.zero_module if self.zero_module is not None else model
-        self._compiled = torch.compile(target, backend="dscompile", options=config) if compile_model else target
-        self.zero_profiler: Any = None  # dscompile.runtime.zero_profile.ZeroProfiler while profile_steps last
-        if compile_model and self.zero_config is not None and self.zero_config.profile_steps > 0:
-            from dscompile.runtime.zero_profile import engine_profiler
+        self.init_core(config, optimizer, lr_scheduler)
+        self.compiles_model = compile_model
+        self.compile_target: nn.Module = model  # extensions may wrap it (ZeRO-2/3: a ZeroModule over the shards)
+        self.gradients = DataParallelGradients(model)  # extensions may replace it (ZeRO)
+        self.configure_extensions()
+        self._compiled = self._compile(self.compile_target, config)
 
-            self.zero_profiler = engine_profiler(self, target)  # re-plans ZeRO once, after the profiled steps
+    def _compile(self, target: nn.Module, config: DSConfig) -> Any:
+        return torch.compile(target, backend="dscompile", options=config) if self.compiles_model else target
 
-    # -- ZeRO ----------------------------------------------------------------------------------
-    def _setup_zero(self) -> None:
-        """Partition the parameters, and move the optimizer onto this rank's shards."""
-        zc = self.zero_config
-        threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
-        itemsize = next(self.module.parameters()).element_size()
-        self.zero = ZeroPartition(self.module, zc.stage, None, threshold, bucket_bytes=zc.reduce_bucket_size * itemsize)
-        if zc.stage >= 2:
-            self.zero_module = ZeroModule(self.module, self.zero)
-        if self.optimizer is not None:
-            self.optimizer = shard_optimizer(self.optimizer, self.zero)
-            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "optimizer"):
-                self.lr_scheduler.optimizer = self.optimizer
-
-    def zero_optimization_stage(self) -> int:
-        """DeepSpeed's accessor: the ZeRO stage in use (0 when off)."""
-        return self.zero.stage if self.zero is not None else 0
+    def recompile(self, config: DSConfig) -> None:
+        """Compile the model again under ``config`` (an extension re-planned, e.g. ZeRO profiling)."""
+        self._compiled = self._compile(self.compile_target, config)
 
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._explain_collective_failure("forward"):
-            return self._compiled(*args, **kwargs)
-
-    def _explain_collective_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Under multi-rank ZeRO a failed collective means a dead, stalled or diverged peer: say so."""
-        if self.zero is not None and self.world_size > 1:
-            return explain_collective_failure(self.rank, what)
-        return contextlib.nullcontext()
+        self._hook("before_forward")
+        with self.phase("forward"), self.gradients.failure_context(self.global_rank, "forward"):
+            out = self._compiled(*args, **kwargs)
+        self._hook("after_forward")
+        return out
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -167,160 +102,37 @@ class DSCompileEngine(nn.Module):
         if not loss.requires_grad:
             raise RuntimeError("engine.backward(loss): loss does not require grad; call it on the training output of engine(...)")
         scaled = loss / self.gradient_accumulation_steps if scale_wrt_gas and self.gradient_accumulation_steps > 1 else loss
-        if self.loss_scaler is not None:
-            scaled = self.loss_scaler.scale(scaled)
-        with self._explain_collective_failure("backward"):
+        scaled = self.scale_loss(scaled)
+        with self.phase("backward"), self.gradients.failure_context(self.global_rank, "backward"):
             scaled.backward()
+        self._hook("after_backward")
         return loss
 
     def step(self) -> None:
-        """At an accumulation boundary: average gradients, clip, step the optimizer and scheduler."""
+        """At an accumulation boundary: the engine core's optimizer step (reduce, unscale, clip, step)."""
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        if not boundary:
-            return
-        if self.optimizer is None:
-            raise RuntimeError("engine.step(): no optimizer; pass optimizer= or set 'optimizer' in the config")
-        params = self.trainable_parameters()
-        if self.zero is not None:
-            if self.zero.stage == 1:
-                self.zero.reduce_gradients()  # ZeRO-1: the only gradient communication, once per batch
-        elif self.world_size > 1:
-            self._average_gradients(params)
-        overflow = self.loss_scaler.unscale_and_check(params) if self.loss_scaler is not None else False
-        if self.zero is not None and self.world_size > 1:
-            overflow = _agree_any(bool(overflow))  # shards differ per rank: every rank skips or none does
-        if overflow:
-            self.skipped_steps += 1
-            log.warning("step %d skipped: gradient overflow", self.global_steps)
-        else:
-            if self.config.gradient_clipping > 0:
-                self._global_grad_norm = self._clip_gradients(params, self.config.gradient_clipping)
-            self.optimizer.step()
-            if self.zero is not None:
-                self.zero.gather_full_params()  # refresh the full copies kept on every rank
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.zero is not None:
-            self.zero.zero_grad()
-        self.global_steps += 1
-        if self.zero_profiler is not None:
-            self.zero_profiler.after_step()  # at the same step on every rank: agrees, re-plans, recompiles once
-        if self.global_steps % self.config.steps_per_print == 0 and self.rank == 0:
-            log.info("step %d: lr %s", self.global_steps, self.get_lr())
-
-    def _clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> float:
-        """Clip by the global norm; with ZeRO the norm is summed over every rank's shard."""
-        if self.zero is None:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        total = float(self.zero.grad_norm_squared().sqrt())
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return total
+        with self.phase("step"):
+            self.micro_steps += 1
+            if boundary:
+                self.optimizer_step()
+        if boundary:
+            self.end_optimizer_step(speak=self.global_rank == 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
-        if self.zero is not None:
-            self.zero.zero_grad()
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """The tensors the optimizer steps: the model's parameters, or this rank's ZeRO shards."""
-        if self.zero is not None:
-            return list(self.zero.shards)
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value by name (gathered from the shards under ZeRO; a collective)."""
-        if self.zero is not None:
-            return self.zero.full_state()
-        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
-
-    def model_state_bytes(self) -> int:
-        """Bytes of parameters, gradients and optimizer states this rank holds (distinct storages)."""
-        from dscompile.runtime.zero_shard import model_state_tensors, state_bytes
-
-        if self.zero is not None:
-            return state_bytes(model_state_tensors(self.zero, self.optimizer))
-        tensors: list[torch.Tensor] = []
-        for p in self.module.parameters():
-            tensors += [p.data, p.grad]
-        if self.optimizer is not None:
-            for st in self.optimizer.state.values():
-                tensors += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return state_bytes(tensors)
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
-
-    def get_global_grad_norm(self) -> float | None:
-        return self._global_grad_norm
-
-    # -- data parallelism without ZeRO ---------------------------------------------------------
-    def _broadcast_parameters(self) -> None:
-        with torch.no_grad():
-            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                dist.broadcast(tensor, src=0)
-
-    def _average_gradients(self, params: list[nn.Parameter]) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.communication_data_type is not None:
-            flat = flat.to(self.communication_data_type)  # copied back into each gradient's dtype below
-        if self.config.prescale_gradients:
-            flat /= self.world_size
-        elif self.config.gradient_predivide_factor != 1.0:
-            flat /= self.config.gradient_predivide_factor
-        dist.all_reduce(flat)
-        if not self.config.prescale_gradients:
-            flat /= self.world_size / self.config.gradient_predivide_factor
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        self.gradients.zero_grad()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True) -> Path:
-        """Write ``save_dir/tag/mp_rank_00_model_states.pt`` (module, optimizer, scheduler, counters, RNG)."""
+        """Write ``save_dir/tag/`` in the gradient strategy's layout (``mp_rank_00_model_states.pt``, plus ZeRO's shard files)."""
         tag = tag or f"global_step{self.global_steps}"
         directory = Path(save_dir) / str(tag)
-        if self.zero is not None:
-            from dscompile.runtime import zero_checkpoint
-
-            zero_checkpoint.save(self, directory, client_state)
-            if self.world_size > 1:
-                dist.barrier()
-            if save_latest and self.rank == 0:
-                (Path(save_dir) / LATEST).write_text(str(tag))
-            return directory
-        if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            state = {
-                "module": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "loss_scaler": self.loss_scaler.state_dict() if hasattr(self.loss_scaler, "state_dict") else None,
-                "global_steps": self.global_steps,
-                "micro_steps": self.micro_steps,
-                "skipped_steps": self.skipped_steps,
-                "client_state": client_state or {},
-                "ds_config": self.config.raw,
-                "world_size": self.world_size,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            }
-            torch.save(state, directory / MODEL_STATES)
-            if save_latest:
-                (Path(save_dir) / LATEST).write_text(str(tag))
+        self.gradients.save_checkpoint(self, directory, client_state)
         if self.world_size > 1:
             dist.barrier()
+        if save_latest and self.global_rank == 0:
+            (Path(save_dir) / LATEST).write_text(str(tag))
         return directory
 
     def load_checkpoint(
@@ -340,28 +152,11 @@ class DSCompileEngine(nn.Module):
                 return None, None
             tag = latest.read_text().strip()
         path = load_dir / str(tag) / MODEL_STATES
-        if self.zero is not None and path.is_file():
-            from dscompile.runtime import zero_checkpoint
-
-            client = zero_checkpoint.load(self, path.parent, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-            return str(path.parent), client
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} does not exist; tags here: {sorted(p.name for p in load_dir.iterdir() if p.is_dir())}")
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        self.module.load_state_dict(state["module"])
-        if not load_module_only:
-            if load_optimizer_states and self.optimizer is not None and state["optimizer"] is not None:
-                self.optimizer.load_state_dict(state["optimizer"])
-            if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            if state.get("loss_scaler") is not None and hasattr(self.loss_scaler, "load_state_dict"):
-                self.loss_scaler.load_state_dict(state["loss_scaler"])
-            self.global_steps = state["global_steps"]
-            self.micro_steps = state["micro_steps"]
-            self.skipped_steps = state.get("skipped_steps", 0)
-            torch.set_rng_state(state["rng"]["torch"])
-            random.setstate(state["rng"]["python"])
-        return str(path.parent), state["client_state"]
+            tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir()) if load_dir.is_dir() else []
+            raise FileNotFoundError(f"checkpoint {path} does not exist; tags here: {tags}")
+        client = self.gradients.load_checkpoint(self, path.parent, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return str(path.parent), client
 
 
 def _resolve_optimizer(
@@ -446,6 +241,12 @@ def initialize(
         world_size, rank = world_size // pipe.stages, rank // pipe.stages  # batch sizes count pipelines, not stages
     cfg.resolve_batch_sizes(world_size)
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    builds_optimizer = cfg.optimizer is not None or (optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer))
+    if not params and builds_optimizer:  # say so here, not with torch's "empty parameter list"
+        where = "model_parameters is empty" if model_parameters is not None else f"{type(model).__name__} has no trainable parameters"
+        raise DSCompileConfigError(
+            "model", f"{where}, so the optimizer has nothing to train", "pass a model with parameters that require grad (or no optimizer, for inference)"
+        )
     opt = _resolve_optimizer(cfg, optimizer, params)
     if pipe is not None:
         from dscompile.runtime.pipeline_engine import PipelineEngine
@@ -453,16 +254,12 @@ def initialize(
         scheduler = _resolve_scheduler(cfg, lr_scheduler, opt)
         engine = PipelineEngine(model, cfg, opt, scheduler)  # keeps only this rank's stages' parameters in opt
         return engine, opt, _build_dataloader(cfg, training_data, collate_fn, world_size, rank), scheduler
-    if _zero_section(cfg) is not None:
-        # ZeRO moves the optimizer onto the shards, so the scheduler must be built over that one.
-        ready = lr_scheduler if lr_scheduler is not None and hasattr(lr_scheduler, "step") else None
-        engine = DSCompileEngine(model, cfg, opt, ready)
-        if ready is None:
-            engine.lr_scheduler = _resolve_scheduler(cfg, lr_scheduler, engine.optimizer)
-        opt, scheduler = engine.optimizer, engine.lr_scheduler
-    else:
-        scheduler = _resolve_scheduler(cfg, lr_scheduler, opt)
-        engine = DSCompileEngine(model, cfg, opt, scheduler)
+    # Extensions may move the optimizer (ZeRO steps the shards), so a scheduler built here is built over the engine's.
+    ready = lr_scheduler if lr_scheduler is not None and hasattr(lr_scheduler, "step") else None
+    engine = DSCompileEngine(model, cfg, opt, ready)
+    if ready is None:
+        engine.lr_scheduler = _resolve_scheduler(cfg, lr_scheduler, engine.optimizer)
+    opt, scheduler = engine.optimizer, engine.lr_scheduler
     dataloader = _build_dataloader(cfg, training_data, collate_fn, world_size, rank)
     return engine, opt, dataloader, scheduler
 
@@ -475,29 +272,3 @@ def _maybe_init_distributed(required: bool | None, port: int | None) -> None:
     if port is not None:
         os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-
-
-def _zero_section(config: DSConfig) -> Any:
-    section = config.sections.get("zero_optimization")
-    return section if section is not None and section.stage > 0 else None
-
-
-def _agree_any(flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def shard_optimizer(optimizer: torch.optim.Optimizer, partition: ZeroPartition) -> torch.optim.Optimizer:
-    """The same optimizer (class, groups, hyper-parameters) over the shards instead of the full parameters."""
-    if optimizer.state:
-        raise DSCompileConfigError("optimizer", "already holds state; ZeRO must partition it before the first step", "build the engine before training")
-    groups = []
-    for group in optimizer.param_groups:
-        entry = {k: v for k, v in group.items() if k != "params"}
-        entry["params"] = [partition.shard_for(p) for p in group["params"] if any(p is q for q in partition.full_params)]
-        groups.append(entry)
-    try:
-        return type(optimizer)(groups)
-    except TypeError:
-        return type(optimizer)(groups, lr=optimizer.defaults.get("lr", 1e-3))

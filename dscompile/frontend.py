@@ -20,6 +20,7 @@ import torch.fx
 
 from dscompile.config import DSConfig, load_config
 from dscompile.pipeline import PassContext, PassInvocation, PassManager, pipeline_from_config, pipeline_lowering
+from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
 log = logging.getLogger("dscompile.frontend")
 
@@ -40,19 +41,20 @@ def resolve_lowering(name: str | None) -> str:
 class GraphCompiler:
     """Compiles one Dynamo graph; holds the state its joint/forward/backward graphs share."""
 
-    def __init__(self, config: DSConfig, invocations: Sequence[PassInvocation], dumper: Any = None) -> None:
+    def __init__(self, config: DSConfig, invocations: Sequence[PassInvocation], dumper: Any = None, mode: str | None = None) -> None:
         from dscompile.backends import get_lowering
 
         self.config = config
         self.invocations = list(invocations)
         self.lowering_name = resolve_lowering(pipeline_lowering(invocations))
         self.lowering = get_lowering(self.lowering_name)
+        check_mode(mode, self.lowering_name)
         self.manager = PassManager(self.invocations, debug=config.debug, dumper=dumper)
         self.dumper = dumper
         # With a dump, names follow the directory (graph_0, graph_1, ... per dump), else the process.
         self.graph_name = dumper.next_graph_name() if dumper is not None else f"graph_{next(_GRAPH_COUNTER)}"
         # Shared by the passes of every graph of this compile; "lowering" tells them the final backend.
-        self.analysis: dict[str, Any] = {"lowering": self.lowering_name}
+        self.analysis: dict[str, Any] = {"lowering": self.lowering_name, "mode": mode}
         self.param_names: dict[int, str] = {}
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
@@ -108,7 +110,29 @@ class GraphCompiler:
         compiled = self.lowering.compile(gm, example_inputs, ctx)
         # A pass may wrap the lowered graph (``zero_profile`` times the first steps op by op).
         wrap = self.analysis.get("wrap_lowered", {}).pop(ctx.graph_name, None)
-        return wrap(gm, compiled) if wrap is not None else compiled
+        compiled = wrap(gm, compiled) if wrap is not None else compiled
+        collectives = graph_collectives(gm)
+        # Each run of a graph with collectives adds them to the running engine's communication_stats().
+        return count_graph_runs(compiled, collectives) if collectives else compiled
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_mode(mode: str | None, lowering: str) -> None:
+    """``torch.compile(mode=...)`` selects Inductor's option sets: honoured by the inductor lowering, refused by the others."""
+    if mode is None or mode == "default":
+        return
+    from dscompile.errors import DSCompileConfigError, suggest
+
+    if mode not in COMPILE_MODES:
+        raise DSCompileConfigError("mode", f"{mode!r} is not a torch.compile mode", suggest(mode, COMPILE_MODES) or f"use one of {COMPILE_MODES}")
+    if lowering != "inductor":
+        raise DSCompileConfigError(
+            "mode",
+            f"mode={mode!r} selects Inductor options, but this compile lowers with {lowering!r}",
+            'drop mode= or lower with Inductor ("lower": "inductor")',
+        )
 
 
 def _parameter_names(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict[int, str]:
@@ -156,8 +180,10 @@ def dscompile_backend(
     """The torch.compile backend registered as ``"dscompile"``.
 
     ``options`` is a DeepSpeed-style config dict, ``{"config": "ds_config.json"}``, a DSConfig, or
-    ``{"pipeline": "pass(opt=1),...,lower(eager)"}``. ``mode`` is accepted for torch.compile
-    compatibility; ``"reduce-overhead"`` and ``"max-autotune"`` are Inductor's and change nothing here.
+    ``{"pipeline": "pass(opt=1),...,lower(eager)"}``. ``mode`` is torch.compile's: with the inductor
+    lowering its option set (``torch._inductor.list_mode_options``: CUDA graphs for
+    ``"reduce-overhead"``, autotuning for ``"max-autotune"``) applies to every graph's Inductor
+    compile; the other lowerings refuse a mode other than ``"default"``.
     """
     if unexpected:
         from dscompile.errors import DSCompileConfigError
@@ -170,6 +196,6 @@ def dscompile_backend(
         from dscompile.dump import Dumper
 
         dumper = Dumper(config.dump)
-    compiler = GraphCompiler(config, invocations, dumper)
+    compiler = GraphCompiler(config, invocations, dumper, mode)
     log.info("%s: pipeline %s", compiler.graph_name, ",".join(inv.spec() for inv in invocations))
     return compiler.compile(gm, example_inputs)

@@ -35,8 +35,10 @@ dtype; the engine does the same for ZeRO-1's and plain data parallelism's reduct
 parameter all-gathers move the compute-precision copy whatever this key says (as in DeepSpeed,
 where the key only governs gradient reductions).
 
-The config keys are DeepSpeed's ``bf16`` and ``fp16`` sections; fp16 also installs the engine's
-dynamic loss scaler (``dscompile.runtime.loss_scaler``), read as ``engine.loss_scaler.loss_scale``.
+The config keys are DeepSpeed's ``bf16`` and ``fp16`` sections; they also install the engine
+extension ``MixedPrecision`` (``dscompile.runtime.loss_scaler``) in every engine, pipeline engines
+included: the reduction dtype above and, for fp16, DeepSpeed's dynamic loss scaler, read as
+``engine.loss_scaler.loss_scale``.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from dscompile.config import parse_dataclass, register_section
-from dscompile.engine import DSCompileEngine, register_engine_extension
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, fake_mode_of, node_value, set_fake_value, tensor_values
 from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
 from dscompile.runtime import zero_ops
+from dscompile.runtime.engine_core import register_engine_extension
+from dscompile.runtime.loss_scaler import MixedPrecision
 
 log = logging.getLogger("dscompile.passes.amp")
 
@@ -173,30 +176,23 @@ def _mixed_precision_rule(config: Any) -> list[PassInvocation]:
 
 
 @register_engine_extension(40, "mixed_precision")
-def _install_loss_scaler(engine: DSCompileEngine) -> None:
-    """fp16 training gets DeepSpeed's loss scaler; bf16 needs none (the graph does the casts).
-
-    Also sets the dtype of the reductions done outside graphs (ZeRO-1, plain data parallelism).
-    """
+def _mixed_precision_extension(config: Any) -> MixedPrecision | None:
+    """Every engine: fp16 gets DeepSpeed's loss scaler (bf16 needs none: the graph does the casts), and
+    the reductions done outside graphs (ZeRO-1, data parallelism, pipeline replicas) use
+    ``communication_data_type``."""
     from dscompile.runtime.loss_scaler import build_loss_scaler
 
-    precision = precision_of(engine.config)
-    if precision is not None or engine.config.sections.get("communication_data_type"):
-        comm = COMM_DTYPES[communication_dtype(engine.config)]
-        engine.communication_data_type = comm
-        if engine.zero is not None:
-            engine.zero.comm_dtype = comm
-    if precision is None:
-        return
-    odd = sorted({str(p.dtype) for p in engine.trainable_parameters() if p.dtype != torch.float32})
-    if odd:
-        raise DSCompileConfigError(
-            f"{precision}.enabled",
-            f"the model's trainable parameters must be fp32 master weights, found {', '.join(odd)}",
-            "do not call model.half()/bfloat16(): the compiled graph casts them",
-        )
-    if precision == "fp16":
-        engine.loss_scaler = build_loss_scaler(engine.config.sections["fp16"])
+    precision = precision_of(config)
+    explicit = config.sections.get("communication_data_type")
+    if precision is None and not explicit:
+        return None
+    scaler = build_loss_scaler(config.sections["fp16"]) if precision == "fp16" else None
+    return MixedPrecision(
+        precision,
+        LOW_DTYPES[precision] if precision else None,
+        COMM_DTYPES[communication_dtype(config)],
+        scaler,
+    )
 
 
 # --------------------------------------------------------------------------------------------

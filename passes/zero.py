@@ -35,6 +35,7 @@ from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 from dscompile.runtime import zero_ops
+from dscompile.runtime.engine_core import register_engine_extension
 
 log = logging.getLogger("dscompile.passes.zero")
 
@@ -146,6 +147,15 @@ def _parse_section(value: Any, path: str) -> ZeroConfig:
 register_section("zero_optimization", _parse_section, "ZeRO optimization")
 
 
+@register_engine_extension(10, "zero")
+def _zero_engine_extension(config: Any) -> Any:
+    """Engines partition the model (``dscompile.runtime.zero_extension``) when ZeRO is on."""
+    from dscompile.runtime.zero_extension import ZeroExtension
+
+    zc = zero_config(config)
+    return ZeroExtension(zc) if zc is not None else None
+
+
 def zero_config(config: Any) -> ZeroConfig | None:
     """The parsed ``zero_optimization`` section, or None when ZeRO is off."""
     section = getattr(config, "sections", {}).get("zero_optimization")
@@ -200,7 +210,7 @@ def new_node(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | Non
 def _group_size(group: str) -> int | None:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not group or not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.get_world_size(zero_ops.resolve_group(group))
 

@@ -11,11 +11,13 @@ torch-native path, or ``profile_steps`` 0) it logs why and does nothing.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch.fx
 
 from dscompile.pipeline import PassContext, register_pass
-from dscompile.runtime.zero_profile import profiler_for
+from dscompile.runtime.engine_core import register_engine_extension
+from dscompile.runtime.zero_profile import ZeroProfileExtension, profiler_for
 
 log = logging.getLogger("dscompile.passes.zero_profile")
 
@@ -31,3 +33,10 @@ def zero_profile(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> t
         return gm
     ctx.analysis.setdefault("wrap_lowered", {})[ctx.graph_name] = profiler.wrap(ctx.graph_kind)
     return gm
+
+
+@register_engine_extension(90, "zero_profile")
+def _zero_profile_extension(config: Any) -> ZeroProfileExtension | None:
+    """Engines profile their first ``profile_steps`` steps and re-plan ZeRO once."""
+    section = config.sections.get("zero_optimization")
+    return ZeroProfileExtension(section) if section is not None and section.stage > 0 and section.profile_steps > 0 else None

@@ -1,9 +1,13 @@
-"""fp16 loss scaling with DeepSpeed's schedule: skip the step on inf/NaN, halve, hysteresis, grow.
+"""Mixed precision outside the graphs: fp16 loss scaling with DeepSpeed's schedule, and the reduction dtype.
 
-The engine (``DSCompileEngine``) drives a scaler through its ``LossScaler`` protocol:
-``scale(loss)`` before backward, ``unscale_and_check(params)`` before clipping and the optimizer
-step (True means "overflow: skip this step"), then ``update(overflow)``. The current scale is
-``engine.loss_scaler.loss_scale`` (alias ``cur_scale``, DeepSpeed's name).
+``MixedPrecision`` is the engine extension (``dscompile.runtime.engine_core``) the ``bf16``/``fp16``
+sections install in every engine (``DSCompileEngine`` and ``PipelineEngine`` alike): it sets the
+dtype of the gradient reductions done outside graphs (``communication_data_type``) and, for fp16,
+drives a loss scaler through the scaler protocol: ``scale(loss)`` before backward (a pipeline
+scales the loss gradient it seeds backward with), ``unscale_and_check(params)`` before clipping and
+the optimizer step (True means "overflow: skip this step"; the engine core agrees it across ranks),
+then ``update(overflow)``. The current scale is ``engine.loss_scaler.loss_scale`` (alias
+``cur_scale``, DeepSpeed's name); the scaler's state is the extension's share of a checkpoint.
 
 Schedule (DeepSpeed's ``fp16`` section, ``loss_scale: 0``):
 
@@ -29,6 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.engine_core import EngineCore, EngineExtension
 
 log = logging.getLogger("dscompile.runtime.loss_scaler")
 
@@ -188,3 +195,52 @@ def build_loss_scaler(fp16: Any, group: Any = None) -> StaticLossScaler:
         min_loss_scale=fp16.min_loss_scale,
         group=group,
     )
+
+
+class MixedPrecision(EngineExtension):
+    """The engine's part of mixed precision: reduction dtype, fp32 master weights, loss scaling."""
+
+    name = "mixed_precision"
+
+    def __init__(
+        self, precision: str | None = None, compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None, scaler: Any = None
+    ) -> None:
+        self.precision = precision
+        self.compute_dtype = compute_dtype
+        self.comm_dtype = comm_dtype
+        self.scaler = scaler
+
+    def configure(self, engine: EngineCore) -> None:
+        if self.comm_dtype is not None:
+            engine.communication_data_type = self.comm_dtype
+        if self.precision is None:
+            return
+        engine.compute_dtype = self.compute_dtype
+        odd = sorted({str(p.dtype) for p in engine.module.parameters() if p.requires_grad and p.dtype != torch.float32})
+        if odd:
+            raise DSCompileConfigError(
+                f"{self.precision}.enabled",
+                f"the model's trainable parameters must be fp32 master weights, found {', '.join(odd)}",
+                "do not call model.half()/bfloat16(): the compiled graph casts them",
+            )
+
+    @property
+    def checks_overflow(self) -> bool:  # type: ignore[override]
+        return self.scaler is not None
+
+    def scale_loss(self, engine: EngineCore, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def check_overflow(self, engine: EngineCore, params: list[nn.Parameter]) -> bool:
+        return bool(self.scaler.unscale_and_check(params)) if self.scaler is not None else False
+
+    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.scaler.state_dict() if hasattr(self.scaler, "state_dict") else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if hasattr(self.scaler, "load_state_dict"):
+            self.scaler.load_state_dict(state)

@@ -16,6 +16,15 @@ DeepSpeed's ZeRO-1 does across pipelines; stages 2 and 3 are refused, as in Deep
 ``dscompile.initialize`` returns this engine for a config with a ``pipeline`` section. Every
 rank consumes ``micro_batches`` items of its ``data_iter`` per
 ``train_batch`` (ranks that read no inputs may pass None once the engine is built).
+
+The optimizer step is the engine core's (``dscompile.runtime.engine_core``), so every engine
+extension works here as in ``DSCompileEngine``: fp16 loss scaling (the loss gradient that seeds
+backward on the last stage carries the scale; an overflow on any stage skips the step on every
+rank), ``communication_data_type``, ``wall_clock_breakdown`` (forward, backward and p2p-wait time
+summed from the schedule's timeline, and the step) and ``memory_breakdown`` (after the schedule and
+after the step), ``communication_stats()`` (p2p, replica and tied reductions). Gradient reduction
+across tied stages and replicas, and ZeRO-1 across pipelines, are its gradient strategy
+(``runtime/pipeline_gradients.py``).
 """
 
 from __future__ import annotations
@@ -36,13 +45,14 @@ from torch import nn
 
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.runtime.comm_stats import collecting
+from dscompile.runtime.engine_core import LATEST, EngineCore, params_or_error, world_info
 from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forward_only
+from dscompile.runtime.pipeline_gradients import PipelineGradients
 from dscompile.runtime.pipeline_p2p import P2P
 from dscompile.runtime.pipeline_schedules import build_schedule
 
 log = logging.getLogger("dscompile.pipeline_engine")
-
-LATEST = "latest"
 
 
 def check_pipeline_world(world_size: int, stages: int) -> None:
@@ -147,7 +157,7 @@ class GraphStageRunner:
         return [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs]
 
 
-class PipelineEngine:
+class PipelineEngine(EngineCore):
     """Pipeline-parallel (optionally x data-parallel) training of a model on this rank's stages."""
 
     def __init__(
@@ -174,8 +184,7 @@ class PipelineEngine:
                 "use stage 1 (optimizer states partitioned across the data-parallel replicas) or 0, as DeepSpeed requires",
             )
         self.pcfg = pcfg
-        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.global_rank = dist.get_rank() if self.world_size > 1 else 0
+        self.world_size, self.global_rank = world_info()
         self.num_stages = pcfg.stages
         check_pipeline_world(self.world_size, self.num_stages)
         self.dp_size = self.world_size // self.num_stages
@@ -193,21 +202,27 @@ class PipelineEngine:
         self.module = model
         self.root: nn.Module = _WithLoss(model, loss_fn) if loss_fn is not None else model
         self._strip = "model." if loss_fn is not None else ""
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.global_steps = 0
+        params_or_error(model, needs_training=True)
+        self.init_core(self.config, optimizer, lr_scheduler)
         self.program: Any = None
         self.facts: Any = None
         self.last_timeline: Timeline | None = None
         self.last_batch_seconds = 0.0
         self._pending_load: tuple[Any, ...] | None = None
-        self._dp_groups: dict[int, Any] = {}
-        self._tied: list[tuple[list[nn.Parameter], Any]] = []
         if self.world_size > 1:
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t, src=0)
-        self._make_dp_groups()
+        self.gradients: PipelineGradients = PipelineGradients(
+            stage_id=self.stage_id,
+            num_stages=self.num_stages,
+            dp_id=self.dp_id,
+            dp_size=self.dp_size,
+            global_rank=self.global_rank,
+            world_size=self.world_size,
+            zero_stage=self.zero_stage,
+        )
+        self.configure_extensions(self._stage_config())  # ZeRO-1 across pipelines is the strategy's, not the ZeRO extension's
         if example_batch is not None:
             self._build(example_batch)
 
@@ -232,10 +247,6 @@ class PipelineEngine:
         """Micro-batches per optimizer step (DeepSpeed's name for them)."""
         return self.micro_batches
 
-    def get_lr(self) -> list[float]:
-        """The learning rate of every optimizer parameter group (empty before the optimizer exists)."""
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
-
     def _only_train_batch(self, name: str) -> RuntimeError:
         return RuntimeError(
             f"PipelineEngine.{name}(): in pipeline mode one call runs forward, backward and the step of every "
@@ -253,13 +264,6 @@ class PipelineEngine:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise self._only_train_batch("step")
-
-    def _make_dp_groups(self) -> None:
-        if self.dp_size == 1:
-            return
-        for s in range(self.num_stages):
-            group = dist.new_group([d * self.num_stages + s for d in range(self.dp_size)])
-            self._dp_groups[s] = group
 
     # -- building the stages -------------------------------------------------------------------
     def _build(self, example: Sequence[Any]) -> None:
@@ -289,12 +293,14 @@ class PipelineEngine:
         mine = {pid for pid, ranks in owners.items() if self.stage_id in ranks}
         self._params = [p for pid, p in by_id.items() if pid in mine and p.requires_grad]
         self._owned_ids = mine
-        self._opt_params = self._zero1_partition()
+        names = {}
+        for name, p in self.root.named_parameters():
+            names.setdefault(id(p), name[len(self._strip) :] if name.startswith(self._strip) else name)
+        self._opt_params = self.gradients.bind(self._params, names, owners, by_id)
         with torch.no_grad():
             for p in self.root.parameters():
                 if id(p) not in mine:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # another rank's stage
-        self._make_tied_groups(owners, by_id)
         checkpoint = self.pcfg.activation_checkpoint_interval > 0
         self.runners = {}
         for s in self.local_stages:
@@ -315,53 +321,7 @@ class PipelineEngine:
     @property
     def zero1_sharded(self) -> bool:
         """True when ZeRO-1 partitions this stage's optimizer states across data-parallel replicas."""
-        return self.zero_stage == 1 and self.dp_size > 1
-
-    def _zero1_partition(self) -> list[nn.Parameter]:
-        """The parameters this rank's optimizer steps. Under ZeRO-1 each data-parallel replica of
-        a stage owns about 1/dp of its elements (greedy, largest first; the same on every replica),
-        keeps their optimizer state, and broadcasts them after the step."""
-        self._owner: dict[int, int] = {}
-        if not self.zero1_sharded:
-            return list(self._params)
-        if len(self._params) < self.dp_size:
-            raise DSCompileConfigError(
-                "zero_optimization.stage",
-                f"stage {self.stage_id} has {len(self._params)} parameter tensors, fewer than {self.dp_size} data-parallel replicas to shard over",
-                "use ZeRO stage 0 for this layout",
-            )
-        loads = [0] * self.dp_size
-        for i in sorted(range(len(self._params)), key=lambda i: (-self._params[i].numel(), i)):
-            d = min(range(self.dp_size), key=lambda d: (loads[d], d))
-            self._owner[id(self._params[i])] = d
-            loads[d] += self._params[i].numel()
-        return [p for p in self._params if self._owner[id(p)] == self.dp_id]
-
-    def _broadcast_updated(self) -> None:
-        """ZeRO-1: every replica sends the parameters it stepped to the others of its stage."""
-        group = self._dp_groups[self.stage_id]
-        with torch.no_grad():
-            for d in range(self.dp_size):
-                params = [p for p in self._params if self._owner[id(p)] == d]
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
-                dist.broadcast(flat, src=d * self.num_stages + self.stage_id, group=group)
-                if d != self.dp_id:
-                    offset = 0
-                    for p in params:
-                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                        offset += p.numel()
-
-    def _make_tied_groups(self, owners: dict[int, set[int]], by_id: dict[int, nn.Parameter]) -> None:
-        tied_sets: dict[tuple[int, ...], list[int]] = {}
-        for pid, ranks in owners.items():
-            if len(ranks) > 1 and by_id[pid].requires_grad:
-                tied_sets.setdefault(tuple(sorted(ranks)), []).append(pid)
-        for ranks, pids in sorted(tied_sets.items()):
-            for d in range(self.dp_size):
-                members = [d * self.num_stages + r for r in ranks]
-                group = dist.new_group(members) if self.world_size > 1 else None
-                if d == self.dp_id and self.stage_id in ranks:
-                    self._tied.append(([by_id[pid] for pid in pids], group))
+        return self.gradients.zero1_sharded
 
     def _filter_optimizer(self) -> None:
         if self.optimizer is None and self.config.optimizer is not None:
@@ -422,19 +382,30 @@ class PipelineEngine:
         """One optimizer step over ``micro_batches`` micro-batches; the mean loss (same on every rank)."""
         batches = self._fetch(data_iter)
         self._ensure_built(batches)
+        if self.optimizer is None:
+            raise RuntimeError("PipelineEngine.train_batch: no optimizer; pass optimizer= or set 'optimizer' in the config")
         if self.world_size > 1:
             dist.barrier()
         begin = time.perf_counter()
         actions = [a for a in build_schedule(self.pcfg.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)]
         p2p = P2P(self.global_rank)
-        losses, timeline = run_actions(
-            actions, self.program.stages, self.runners, p2p, self.rank_of_stage, batches, self.program.loss, 1.0 / self.micro_batches
-        )
+        # The last stage seeds backward with d(loss / micro_batches)/d(loss), times the loss scale (fp16).
+        seed = self.loss_gradient_seed(1.0 / self.micro_batches)
+        self._hook("before_forward")
+        with self.memory.phase("schedule"), collecting(self.comm_stats):
+            losses, timeline = run_actions(actions, self.program.stages, self.runners, p2p, self.rank_of_stage, batches, self.program.loss, seed)
+        self._hook("after_forward")
+        self._hook("after_backward")
         self.last_timeline = timeline
-        self._reduce_gradients()
-        self._step()
+        self.micro_steps += self.micro_batches
+        for kind, phase in (("F", "forward"), ("B", "backward")):
+            self.timers.add(phase, sum(e.end - e.start for e in timeline.entries if e.action.kind == kind))
+        self.timers.add("p2p_wait", sum(e.start - e.wait_start for e in timeline.entries))
+        with self.phase("step"):
+            self.optimizer_step()
         loss = self._mean_loss(losses)
         self.last_batch_seconds = time.perf_counter() - begin
+        self.end_optimizer_step(speak=self.dp_id == 0)
         return loss
 
     def eval_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
@@ -442,7 +413,12 @@ class PipelineEngine:
         batches = self._fetch(data_iter)
         self._ensure_built(batches)
         p2p = P2P(self.global_rank)
-        losses = run_forward_only(self.program.stages, self.local_stages, self.runners, p2p, self.rank_of_stage, batches, self.program.loss, self.micro_batches)
+        self._hook("before_forward")
+        with collecting(self.comm_stats):
+            losses = run_forward_only(
+                self.program.stages, self.local_stages, self.runners, p2p, self.rank_of_stage, batches, self.program.loss, self.micro_batches
+            )
+        self._hook("after_forward")
         return self._mean_loss(losses)
 
     def _mean_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -453,54 +429,6 @@ class PipelineEngine:
             dist.all_reduce(total)  # only the last stage of each pipeline contributes
             total /= self.dp_size
         return total.float()
-
-    def _reduce_gradients(self) -> None:
-        for params, group in self._tied:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            _unflatten_into(flat, params)
-        if self.dp_size > 1:
-            grads = [p for p in self._params]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in grads])
-            dist.all_reduce(flat, group=self._dp_groups[self.stage_id])
-            flat /= self.dp_size
-            _unflatten_into(flat, grads)
-
-    def _step(self) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("PipelineEngine.train_batch: no optimizer; pass optimizer= or set 'optimizer' in the config")
-        if self.config.gradient_clipping > 0:
-            self._clip(self.config.gradient_clipping)
-        self.optimizer.step()
-        if self.zero1_sharded:
-            self._broadcast_updated()
-        for p in self._params:  # the optimizer's zero_grad would miss, under ZeRO-1, the parameters other replicas step
-            p.grad = None
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.global_steps += 1
-
-    def _clip(self, max_norm: float) -> None:
-        """Clip by the norm of the whole model: each tied parameter is counted once (lowest rank)."""
-        skip: set[int] = set()
-        for params, group in self._tied:
-            members = dist.get_process_group_ranks(group) if group is not None else [self.global_rank]
-            if self.global_rank != min(members):
-                skip.update(id(p) for p in params)
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in self._params:
-            if p.grad is not None and id(p) not in skip:
-                sq += p.grad.double().pow(2).sum()
-        if self.world_size > 1:
-            dist.all_reduce(sq)
-            sq /= self.dp_size
-        norm = float(sq.sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
 
     # -- state ---------------------------------------------------------------------------------
     def stage_parameters(self) -> dict[str, torch.Tensor]:
@@ -531,10 +459,8 @@ class PipelineEngine:
                 {
                     "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not self.zero1_sharded else None,
                     "zero1_replicas": self.dp_size if self.zero1_sharded else 0,
-                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                    "global_steps": self.global_steps,
                     "bounds": self.program.plan.bounds,
-                    "client_state": client_state or {},
+                    **self.core_state_dict(client_state),  # scheduler, counters, extensions (loss scaler)
                 },
                 directory / f"pipe_rank_{self.stage_id:02d}_states.pt",
             )
@@ -574,7 +500,11 @@ class PipelineEngine:
             return None, None
         load_dir = Path(load_dir)
         if tag is None:
-            tag = (load_dir / LATEST).read_text().strip()
+            latest = load_dir / LATEST
+            if not latest.is_file():
+                log.warning("no 'latest' file in %s: nothing loaded (pass tag= to pick a checkpoint)", load_dir)
+                return None, None
+            tag = latest.read_text().strip()
         directory = load_dir / str(tag)
         files = sorted(directory.glob("pipe_stage_*_model_states.pt"))
         if not files:
@@ -597,21 +527,8 @@ class PipelineEngine:
             if state["bounds"] == self.program.plan.bounds:
                 if load_optimizer_states and self.optimizer is not None:
                     self._load_optimizer(directory, state)
-                if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-                    self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-                self.global_steps = state["global_steps"]
+                self.load_core_state_dict(state)
             else:
                 log.warning("checkpoint %s was partitioned differently: loaded the weights only", directory)
         return str(directory), client
 
-
-def _unflatten_into(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        value = flat[offset : offset + n].view_as(p)
-        if p.grad is None:
-            p.grad = value.clone()
-        else:
-            p.grad.copy_(value)
-        offset += n

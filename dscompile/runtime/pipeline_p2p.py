@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dscompile.runtime import comm_stats
+
 ACTIVATION, GRADIENT = 0, 1
 _MAX_STAGES, _MAX_OUTPUTS, _MAX_MICRO = 64, 64, 1024
 
@@ -43,6 +45,7 @@ class P2P:
         data = data.contiguous()
         self._pending.append((dist.isend(data, dst, tag=tag), data))
         self.bytes_sent += data.numel() * data.element_size()
+        comm_stats.record("pipeline", "p2p_send", data.numel() * data.element_size())
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         if src == self.rank:
@@ -51,6 +54,7 @@ class P2P:
             return self._local.pop(tag)
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(buffer, src, tag=tag)
+        comm_stats.record("pipeline", "p2p_recv", buffer.numel() * buffer.element_size())
         return buffer
 
     def wait_all(self) -> None:

@@ -51,13 +51,7 @@ def save(engine: Any, directory: Path, client_state: dict | None) -> None:
         meta = {
             "module": module_state,
             "zero": {"stage": zero.stage, "world_size": zero.world, "layouts": [layout.to_dict() for layout in zero.layouts]},
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None,
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "client_state": client_state or {},
-            "ds_config": engine.config.raw,
+            **engine.core_state_dict(client_state),  # scheduler, counters, extensions (loss scaler), config
             "world_size": zero.world,
         }
         torch.save(meta, directory / MODEL_STATES)
@@ -157,13 +151,7 @@ def load(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_sche
                 engine.optimizer.load_state_dict(own["optimizer"])
             else:
                 _load_resharded_optimizer(engine, meta, files)
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        if meta.get("loss_scaler") is not None and hasattr(engine.loss_scaler, "load_state_dict"):
-            engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-        engine.global_steps = meta["global_steps"]
-        engine.micro_steps = meta["micro_steps"]
-        engine.skipped_steps = meta.get("skipped_steps", 0)
+        engine.load_core_state_dict(meta, load_lr_scheduler_states)
         rng_source = own if own is not None else None
         if rng_source is None and shard_file(directory, zero.rank).is_file():
             rng_source = torch.load(shard_file(directory, zero.rank), map_location="cpu", weights_only=False)

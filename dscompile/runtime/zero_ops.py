@@ -13,6 +13,10 @@ Run eagerly (or when no pass rewrote them) they do the same communication with b
   flows to ``shard`` through a reduce-scatter.
 - ``zero_reduce_scatter(grad, shard_numel, group)``: flatten, pad, reduce-scatter (sum) and
   divide by the world size: the averaged gradient of this rank's shard.
+
+The group ``""`` means no process group: world size 1, where the shard is the whole (flat)
+parameter, so the ops copy instead of communicating (ZeRO in one process without
+``init_process_group``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def group_name_of(group: dist.ProcessGroup | None) -> str:
 
 @torch.library.custom_op("dscompile::zero_gather", mutates_args=())
 def zero_gather(shard: torch.Tensor, shape: list[int], numel: int, group: str) -> torch.Tensor:
+    if not group:
+        return shard[:numel].view(shape).clone()
     pg = resolve_group(group)
     world = dist.get_world_size(pg)
     out = shard.new_empty(shard.numel() * world)
@@ -49,6 +55,10 @@ def _zero_gather_fake(shard: torch.Tensor, shape: list[int], numel: int, group: 
 
 @torch.library.custom_op("dscompile::zero_reduce_scatter", mutates_args=())
 def zero_reduce_scatter(grad: torch.Tensor, shard_numel: int, group: str) -> torch.Tensor:
+    if not group:
+        out = grad.new_zeros(shard_numel)
+        out[: grad.numel()].copy_(grad.reshape(-1))
+        return out
     pg = resolve_group(group)
     world = dist.get_world_size(pg)
     flat = grad.reshape(-1)

@@ -6,7 +6,8 @@ graphs run under ``ProfilingInterpreter``: op by op, timing each node (wall cloc
 on GPU) and the live memory after it. Each collective is waited for right after it starts, so its
 time is the raw communication time, not what the schedule happened to hide.
 
-At the end of the last profiled step the engine calls ``ZeroProfiler.after_step``: every rank reduces
+At the end of the last profiled step the engine (through ``ZeroProfileExtension``, its engine
+extension) calls ``ZeroProfiler.after_step``: every rank reduces
 its measurements into one vector whose layout depends only on the collectives (hence on the
 parameters, never on sequence lengths), the ranks check they saw the same collectives and take the
 maximum of every time and memory figure (``all_reduce``), and ``plan_from_profile`` (a pure function
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+
+from dscompile.runtime.engine_core import EngineExtension
 
 log = logging.getLogger("dscompile.runtime.zero_profile")
 
@@ -387,14 +390,26 @@ def planned_config(config: Any, plan: dict[str, int]) -> Any:
     return new
 
 
-def engine_profiler(engine: Any, target: torch.nn.Module) -> ZeroProfiler | None:
-    """The profiler of a ZeRO engine; its re-plan compiles ``target`` again with the planned config."""
-    zc = engine.zero_config
-    if zc.stage < 2:
-        log.info("zero_optimization.profile_steps: ZeRO-1 has no collectives in the graphs to plan; not profiling")
-        return None
+class ZeroProfileExtension(EngineExtension):
+    """The engine's side of ``profile_steps``: owns the profiler, re-plans after the profiled steps."""
 
-    def recompile(config: Any) -> None:
-        engine._compiled = torch.compile(target, backend="dscompile", options=config)
+    name = "zero_profile"
 
-    return ZeroProfiler(engine.config, zc, zc.profile_steps, recompile)
+    def __init__(self, zc: Any) -> None:
+        self.zc = zc
+        self.profiler: ZeroProfiler | None = None
+
+    def configure(self, engine: Any) -> None:
+        engine.zero_profiler = None
+        if self.zc.stage < 2:
+            log.info("zero_optimization.profile_steps: ZeRO-1 has no collectives in the graphs to plan; not profiling")
+            return
+        if not getattr(engine, "compiles_model", False):
+            log.info("zero_optimization.profile_steps: this engine does not compile its model; not profiling")
+            return
+        self.profiler = ZeroProfiler(engine.config, self.zc, self.zc.profile_steps, engine.recompile)
+        engine.zero_profiler = self.profiler
+
+    def after_optimizer_step(self, engine: Any, overflow: bool) -> None:
+        if self.profiler is not None:
+            self.profiler.after_step()  # at the same step on every rank: agrees, re-plans, recompiles once

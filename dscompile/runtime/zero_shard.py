@@ -84,7 +84,11 @@ class ZeroPartition:
     """The shards of a module's parameters and the out-of-graph collectives around them.
 
     ``stage`` 1 and 2 keep every parameter's full copy; stage 3 frees the full copy of every
-    parameter with more than ``persistence_threshold`` elements.
+    parameter with more than ``persistence_threshold`` elements, and keeps the small ones only
+    while their total stays within ``model_persistence_threshold`` elements (in parameter order, as
+    DeepSpeed's ``stage3_model_persistence_threshold``). ``allgather_partitions=False`` refreshes
+    the full copies after a step with one broadcast per rank instead of an all-gather.
+    Without a process group the partition is world size 1 (the ZeRO ops then communicate nothing).
     """
 
     def __init__(
@@ -95,6 +99,8 @@ class ZeroPartition:
         persistence_threshold: int = 0,
         bucket_bytes: int = 500_000_000,
         check_consistency: bool = True,
+        model_persistence_threshold: int | None = None,
+        allgather_partitions: bool = True,
     ) -> None:
         if stage not in (1, 2, 3):
             raise DSCompileConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage}")
@@ -102,7 +108,9 @@ class ZeroPartition:
         self.stage = stage
         self.group = group
         self.rank, self.world = _world(group)
-        self.group_name = zero_ops.group_name_of(group) if self.world > 1 or dist.is_initialized() else ""
+        self.allgather_partitions = allgather_partitions
+        # "" (no process group, world size 1): the ZeRO ops run locally
+        self.group_name = zero_ops.group_name_of(group) if dist.is_available() and dist.is_initialized() else ""
         # Out-of-graph buckets are transient flat copies: cap them so ZeRO-1/2 never hold a second
         # full copy of the model while refreshing parameters or reducing gradients.
         self.bucket_bytes = max(1, min(int(bucket_bytes), OUT_OF_GRAPH_BUCKET_CAP))
@@ -119,8 +127,13 @@ class ZeroPartition:
         self.layouts: list[ParamLayout] = []
         self.full_params: list[nn.Parameter] = []
         shards = []
+        kept = 0  # elements of small ZeRO-3 parameters kept whole so far
         for name, p in named:
-            persistent = stage < 3 or p.numel() <= persistence_threshold
+            persistent = stage < 3
+            if not persistent and p.numel() <= persistence_threshold:
+                budget = model_persistence_threshold if model_persistence_threshold is not None else float("inf")
+                persistent = kept + p.numel() <= budget
+                kept += p.numel() if persistent else 0
             layout = ParamLayout(name, tuple(p.shape), p.numel(), shard_numel(p.numel(), self.world), persistent, aliases[id(p)])
             self.layouts.append(layout)
             self.full_params.append(p)
@@ -192,7 +205,7 @@ class ZeroPartition:
         todo = [i for i, layout in enumerate(self.layouts) if layout.persistent]
         for bucket in self._buckets(todo):
             flat = torch.cat([self.shards[i].detach().reshape(-1) for i in bucket])
-            out = self._all_gather(flat).view(self.world, -1)
+            out = (self._all_gather(flat) if self.allgather_partitions else self._broadcast_gather(flat)).view(self.world, -1)
             offset = 0
             for i in bucket:
                 layout = self.layouts[i]
@@ -205,6 +218,18 @@ class ZeroPartition:
             return flat.clone()
         out = flat.new_empty(flat.numel() * self.world)
         dist.all_gather_into_tensor(out, flat.contiguous(), group=self.group)
+        return out
+
+    def _broadcast_gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """The all-gather as one broadcast per rank (DeepSpeed's ``allgather_partitions: false``)."""
+        if self.world == 1:
+            return flat.clone()
+        out = flat.new_empty(flat.numel() * self.world)
+        for r, piece in enumerate(out.view(self.world, -1)):
+            if r == self.rank:
+                piece.copy_(flat)
+            src = dist.get_global_rank(self.group, r) if self.group is not None else r
+            dist.broadcast(piece, src=src, group=self.group)
         return out
 
     @torch.no_grad()

@@ -1,0 +1,107 @@
+"""Plain data parallelism: the engine core's default gradient strategy.
+
+Every rank holds the whole model. At construction rank 0's parameters and buffers are broadcast
+(so every rank starts equal); at each accumulation boundary the gradients are averaged with one
+flat all-reduce (in ``engine.communication_data_type`` when set, with DeepSpeed's
+``prescale_gradients`` / ``gradient_predivide_factor``), so the optimizer steps identical
+gradients everywhere and clipping needs no further communication. A single process is the same
+strategy with nothing to reduce. Checkpoints are one file written by rank 0:
+``tag/mp_rank_00_model_states.pt`` (module, optimizer, RNG, and the core's share).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dscompile.runtime.comm_stats import tensor_bytes
+from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, GradientStrategy, world_info
+
+
+class DataParallelGradients(GradientStrategy):
+    """Whole-model replicas whose gradients are averaged across all ranks."""
+
+    name = "data_parallel"
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.world_size, self.rank = world_info()
+        if self.world_size > 1:
+            with torch.no_grad():
+                for tensor in list(module.parameters()) + list(module.buffers()):
+                    dist.broadcast(tensor, src=0)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def reduce(self, engine: EngineCore) -> None:
+        if self.world_size == 1:
+            return
+        grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
+        if not grads:
+            return
+        config = engine.config
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if engine.communication_data_type is not None:
+            flat = flat.to(engine.communication_data_type)  # copied back into each gradient's dtype below
+        if config.prescale_gradients:
+            flat /= self.world_size
+        elif config.gradient_predivide_factor != 1.0:
+            flat /= config.gradient_predivide_factor
+        with engine.comm_stats.timed("data_parallel", "all_reduce", tensor_bytes(flat)):
+            dist.all_reduce(flat)
+        if not config.prescale_gradients:
+            flat /= self.world_size / config.gradient_predivide_factor
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        # Gradients are equal on every rank after the all-reduce: the local norm is the global one.
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+    def model_state_tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = []
+        for p in self.module.parameters():
+            tensors += [p.data, p.grad]
+        if optimizer is not None:
+            for st in optimizer.state.values():
+                tensors += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return tensors
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, engine: EngineCore, directory: Path, client_state: dict | None) -> None:
+        """Rank 0 writes ``directory/mp_rank_00_model_states.pt``."""
+        if self.rank != 0:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {
+            "module": self.module.state_dict(),
+            "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+            **engine.core_state_dict(client_state),
+            "world_size": self.world_size,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        torch.save(state, directory / MODEL_STATES)
+
+    def load_checkpoint(
+        self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+    ) -> dict | None:
+        state: dict[str, Any] = torch.load(directory / MODEL_STATES, map_location="cpu", weights_only=False)
+        self.module.load_state_dict(state["module"])
+        if not load_module_only:
+            if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:
+                engine.optimizer.load_state_dict(state["optimizer"])
+            engine.load_core_state_dict(state, load_lr_scheduler_states)
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+        return state["client_state"]

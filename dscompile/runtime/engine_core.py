@@ -1,0 +1,479 @@
+"""One engine core for every dscompile engine: the optimizer step and the extension protocol.
+
+``DSCompileEngine`` (``dscompile.initialize``) and ``PipelineEngine`` are thin shells over
+``EngineCore``: each decides how a batch runs (one compiled module; a pipeline schedule over
+stages) and hands everything around the optimizer step to the core. A capability that acts outside
+the compiled graphs (ZeRO, loss scaling, ZeRO profiling; later ZeRO-Offload, 1-bit Adam,
+compressed communication, tensor parallelism) is written once, as an ``EngineExtension`` and/or a
+``GradientStrategy``, and then works in every engine; no engine names a capability.
+
+Plugging a capability in
+------------------------
+Register a factory in the capability's module (``passes/<capability>.py`` registers its config
+section there too)::
+
+    from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
+
+    @register_engine_extension(order=30, name="my_capability")
+    def _my_extension(config: DSConfig) -> EngineExtension | None:
+        section = config.sections.get("my_capability")
+        return MyExtension(section) if section is not None and section.enabled else None
+
+Every engine calls every factory once, in ``order`` (then name), with the config it trains under
+(a pipeline engine passes its config without ``zero_optimization``: ZeRO-1 across pipelines is its
+own strategy's job), and keeps the extensions that are not None. Hooks then run in that order.
+
+The extension protocol (``EngineExtension``; every hook has a no-op default)
+----------------------------------------------------------------------------
+``name``                                  unique; ``engine.extension(name)`` finds the instance.
+``configure(engine)``                     once, at construction, before the model is compiled.
+                                          May replace ``engine.compile_target`` (the module the
+                                          engine compiles), ``engine.optimizer`` (the scheduler is
+                                          re-pointed by the core), ``engine.gradients`` (the gradient
+                                          strategy), set ``engine.communication_data_type``, or
+                                          publish a handle on the engine (ZeRO sets ``engine.zero``).
+``before_forward(engine)``                before each forward (a pipeline: before each batch's schedule).
+``after_forward(engine)``                 after it.
+``scale_loss(engine, loss) -> loss``      before backward; must multiply by a factor (a pipeline
+                                          applies it to the loss gradient it seeds backward with).
+``after_backward(engine)``                after each backward (a pipeline: after the schedule).
+``on_gradients_ready(engine, params)``    at the accumulation boundary, once the gradient strategy has
+                                          reduced every gradient (still loss-scaled); ``params`` are the
+                                          tensors the optimizer steps (ZeRO: this rank's shards).
+``check_overflow(engine, params) -> bool``  unscale and report inf/NaN; with ``checks_overflow`` True
+                                          the core agrees the answer across all ranks (``_agree_any``),
+                                          so every rank skips the step or none does.
+``before_optimizer_step(engine, params)`` after clipping, just before ``optimizer.step()`` (not on a skipped step).
+``after_optimizer_step(engine, overflow)`` after every boundary (skipped or not), once gradients are
+                                          cleared and ``global_steps`` advanced.
+``state_dict() / load_state_dict(state)`` its share of a checkpoint (saved under ``extensions[name]``).
+``counters() -> dict``                    numbers for ``engine.communication_stats()`` (under ``extensions``);
+                                          collectives it issues go through ``engine.comm_stats.timed``.
+
+The gradient strategy (``GradientStrategy``; exactly one per engine)
+-------------------------------------------------------------------
+Which tensors the optimizer steps and how their gradients are kept consistent across ranks:
+``trainable_parameters()``, ``reduce(engine)`` at the boundary, ``clip(engine, params, max_norm)`` by
+the global norm (a collective where gradients are partitioned), ``after_optimizer_step(engine)``
+(refresh replicated copies), ``zero_grad()``, ``full_parameters()``, ``model_state_tensors()``, and
+for ``DSCompileEngine`` the checkpoint layout (``save_checkpoint`` / ``load_checkpoint``). Built in:
+``DataParallelGradients`` (``runtime/data_parallel.py``, the default), ``ZeroGradients``
+(``runtime/zero_extension.py``, installed by the ZeRO extension), ``PipelineGradients``
+(``runtime/pipeline_gradients.py``).
+
+The step (``EngineCore.optimizer_step``, at each accumulation boundary)
+-----------------------------------------------------------------------
+``gradients.reduce`` → ``on_gradients_ready`` → ``check_overflow`` (agreed across ranks) → on a clean
+step: ``gradients.clip`` (``gradient_clipping`` > 0), ``before_optimizer_step``, ``optimizer.step()``,
+``gradients.after_optimizer_step``, ``lr_scheduler.step()``; on an overflow ``skipped_steps`` += 1
+→ ``optimizer.zero_grad`` + ``gradients.zero_grad`` → ``global_steps`` += 1 →
+``after_optimizer_step``.
+
+Around it the core keeps ``wall_clock_breakdown`` timers and ``memory_breakdown`` snapshots
+(``runtime/engine_metrics.py``; read with ``step_timings()`` / ``step_memory()``) and the
+communication counters (``runtime/comm_stats.py``; ``communication_stats()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.comm_stats import CommStats, collecting
+from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, log_every
+
+log = logging.getLogger("dscompile.engine")
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+LATEST = "latest"
+
+
+class EngineExtension:
+    """A capability's part of the engine; override only the hooks it needs (see the module docstring)."""
+
+    name: str = "extension"
+    checks_overflow: bool = False
+    """True when ``check_overflow`` can report an overflow: the core then agrees the answer across ranks."""
+
+    def configure(self, engine: EngineCore) -> None:
+        """Once, at engine construction, before the model is compiled."""
+
+    def before_forward(self, engine: EngineCore) -> None:
+        """Before each forward."""
+
+    def after_forward(self, engine: EngineCore) -> None:
+        """After each forward."""
+
+    def scale_loss(self, engine: EngineCore, loss: torch.Tensor) -> torch.Tensor:
+        """Before backward: the loss to differentiate (a multiple of ``loss``)."""
+        return loss
+
+    def after_backward(self, engine: EngineCore) -> None:
+        """After each backward."""
+
+    def on_gradients_ready(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
+        """At the boundary, after the gradient strategy reduced every gradient."""
+
+    def check_overflow(self, engine: EngineCore, params: list[nn.Parameter]) -> bool:
+        """Unscale and report inf/NaN gradients (True skips the step on every rank)."""
+        return False
+
+    def before_optimizer_step(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
+        """After clipping, before ``optimizer.step()`` (clean steps only)."""
+
+    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+        """After every boundary, skipped or not."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """This extension's share of a checkpoint (None: nothing to save)."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+
+    def counters(self) -> dict[str, Any]:
+        """Numbers for ``engine.communication_stats()``."""
+        return {}
+
+
+ExtensionFactory = Callable[[Any], "EngineExtension | None"]
+_FACTORIES: list[tuple[int, str, ExtensionFactory]] = []
+
+
+def register_engine_extension(order: int, name: str) -> Callable[[ExtensionFactory], ExtensionFactory]:
+    """Register ``factory(config) -> EngineExtension | None``; every engine calls it at construction."""
+
+    def decorator(factory: ExtensionFactory) -> ExtensionFactory:
+        _FACTORIES[:] = [f for f in _FACTORIES if f[1] != name]
+        _FACTORIES.append((order, name, factory))
+        _FACTORIES.sort(key=lambda f: (f[0], f[1]))
+        return factory
+
+    return decorator
+
+
+def registered_engine_extensions() -> list[tuple[int, str]]:
+    return [(order, name) for order, name, _ in _FACTORIES]
+
+
+class GradientStrategy:
+    """How the optimizer's tensors get consistent gradients across ranks (one per engine)."""
+
+    name: str = "gradients"
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def reduce(self, engine: EngineCore) -> None:
+        """At the accumulation boundary: make every rank's gradients the global ones."""
+
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        """Scale gradients so that their global L2 norm is at most ``max_norm``; return the norm."""
+        raise NotImplementedError
+
+    def after_optimizer_step(self, engine: EngineCore) -> None:
+        """After ``optimizer.step()``: refresh what other ranks or copies hold."""
+
+    def zero_grad(self) -> None:
+        """Drop gradients the optimizer's ``zero_grad`` does not reach."""
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def model_state_tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def failure_context(self, rank: int, what: str) -> contextlib.AbstractContextManager[None]:
+        """Wraps forward/backward: turns a failed collective into an error that names the likely cause."""
+        return contextlib.nullcontext()
+
+    def save_checkpoint(self, engine: EngineCore, directory: Any, client_state: dict | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not write DSCompileEngine checkpoints")
+
+    def load_checkpoint(
+        self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+    ) -> dict | None:
+        raise NotImplementedError(f"{type(self).__name__} does not read DSCompileEngine checkpoints")
+
+
+def world_info() -> tuple[int, int]:
+    """``(world_size, global_rank)``; ``(1, 0)`` without an initialised process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _agree_any(flag: bool, group: Any = None) -> bool:
+    """True on every rank when ``flag`` is True on any rank: overflow agreement (one scalar all-reduce, MAX)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
+
+
+class EngineCore:
+    """State and step logic every engine shares; engines subclass it (see the module docstring).
+
+    Attributes an engine sets before ``init_core``: ``module`` (the user's model). ``init_core``
+    sets the rest; the engine then installs its default ``gradients`` strategy and calls
+    ``configure_extensions``.
+    """
+
+    module: nn.Module
+
+    def init_core(self, config: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
+        self.config = config
+        self.world_size, self.global_rank = world_info()
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        # dtype of the gradient reductions done outside graphs (set by the mixed-precision
+        # extension from ``communication_data_type``); None reduces in the gradients' own dtype.
+        self.communication_data_type: torch.dtype | None = None
+        # dtype of the 16-bit copy save_16bit_model writes (the training precision; None: fp32)
+        self.compute_dtype: torch.dtype | None = None
+        self.gradients: GradientStrategy | None = None
+        self.extensions: list[EngineExtension] = []
+        self.timers = StepTimers(bool(config.wall_clock_breakdown))
+        self.memory = MemoryBreakdown(bool(config.memory_breakdown), self.model_state_bytes)
+        self.comm_stats = CommStats(synchronize=bool(config.wall_clock_breakdown))
+        self.last_logged: dict[str, Any] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.global_rank
+
+    # -- extensions ----------------------------------------------------------------------------
+    def configure_extensions(self, config: Any | None = None) -> None:
+        """Build every registered extension that applies to ``config`` and let each configure this engine."""
+        optimizer = self.optimizer
+        for _order, _name, factory in list(_FACTORIES):
+            extension = factory(config if config is not None else self.config)
+            if extension is not None:
+                self.add_extension(extension)
+        if self.optimizer is not optimizer and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "optimizer"):
+            self.lr_scheduler.optimizer = self.optimizer  # an extension moved the optimizer (ZeRO onto the shards)
+
+    def add_extension(self, extension: EngineExtension) -> EngineExtension:
+        if self.extension(extension.name) is not None:
+            raise ValueError(f"engine extension {extension.name!r} is already installed")
+        self.extensions.append(extension)
+        extension.configure(self)
+        return extension
+
+    def extension(self, name: str) -> EngineExtension | None:
+        return next((e for e in self.extensions if e.name == name), None)
+
+    def _hook(self, hook: str, *args: Any) -> None:
+        for extension in self.extensions:
+            getattr(extension, hook)(self, *args)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        for extension in self.extensions:
+            loss = extension.scale_loss(self, loss)
+        return loss
+
+    def loss_gradient_seed(self, factor: float) -> float:
+        """The gradient backward starts from for ``factor * loss`` (loss scaling applied): for pipelines."""
+        return float(self.scale_loss(torch.tensor(factor, dtype=torch.float64)))
+
+    @property
+    def loss_scaler(self) -> Any:
+        """The loss scaler in use (the mixed-precision extension's), or None."""
+        extension = self.extension("mixed_precision")
+        return getattr(extension, "scaler", None)
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: Any) -> None:
+        from dscompile.runtime.loss_scaler import MixedPrecision
+
+        extension = self.extension("mixed_precision")
+        if extension is None:
+            if scaler is not None:
+                self.extensions.append(MixedPrecision(scaler=scaler))  # no configure: only the scaler is set
+            return
+        extension.scaler = scaler  # type: ignore[attr-defined]
+
+    # -- the optimizer step ----------------------------------------------------------------------
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The tensors the optimizer steps (the model's parameters, this rank's ZeRO shards, this stage's)."""
+        assert self.gradients is not None
+        return self.gradients.trainable_parameters()
+
+    def optimizer_step(self) -> bool:
+        """The accumulation boundary: reduce, agree on overflow, clip, step; returns True when skipped."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.step(): no optimizer; pass optimizer= or set 'optimizer' in the config")
+        assert self.gradients is not None
+        with collecting(self.comm_stats):
+            params = self.gradients.trainable_parameters()
+            self.gradients.reduce(self)
+            self._hook("on_gradients_ready", params)
+            overflow = any([extension.check_overflow(self, params) for extension in self.extensions])
+            if self.world_size > 1 and any(e.checks_overflow for e in self.extensions):
+                with self.comm_stats.timed("engine", "overflow_agreement", 4):
+                    overflow = _agree_any(overflow)  # gradients differ per rank: every rank skips or none does
+            if overflow:
+                self.skipped_steps += 1
+                log.warning("step %d skipped: gradient overflow", self.global_steps)
+            else:
+                if self.config.gradient_clipping > 0:
+                    self._global_grad_norm = self.gradients.clip(self, params, self.config.gradient_clipping)
+                self._hook("before_optimizer_step", params)
+                self.optimizer.step()
+                self.gradients.after_optimizer_step(self)
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.gradients.zero_grad()
+            self.global_steps += 1
+            self._hook("after_optimizer_step", overflow)
+        return overflow
+
+    def end_optimizer_step(self, *, speak: bool) -> None:
+        """After the step phase closed: per-step timers and memory, and the ``steps_per_print`` log."""
+        self.timers.end_step()
+        if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
+            log.info("step %d: lr %s", self.global_steps, self.get_lr())
+        logged = log_every(log, self.global_steps, self.config.steps_per_print, self.global_rank, self.timers, self.memory, speak=speak)
+        if logged:
+            self.last_logged = logged
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase (``wall_clock_breakdown``), snapshot memory after it, count its collectives."""
+        with self.timers.time(name), self.memory.phase(name), collecting(self.comm_stats):
+            yield
+
+    # -- what users read -----------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's accessor: the ZeRO stage in use (0 when off)."""
+        section = self.config.sections.get("zero_optimization")
+        return int(section.stage) if section is not None else 0
+
+    def wall_clock_breakdown(self) -> bool:
+        """DeepSpeed's accessor: whether per-step timers are on (read them with ``step_timings()``)."""
+        return bool(self.config.wall_clock_breakdown)
+
+    def memory_breakdown(self) -> bool:
+        """DeepSpeed's accessor: whether per-phase memory is recorded (read it with ``step_memory()``)."""
+        return bool(self.config.memory_breakdown)
+
+    def step_timings(self) -> dict[str, float]:
+        """Milliseconds of forward, backward and step in the last optimizer step (needs ``wall_clock_breakdown``)."""
+        if not self.timers.enabled:
+            raise DSCompileConfigError("wall_clock_breakdown", "is off, so no step timings were taken", 'set "wall_clock_breakdown": true')
+        return self.timers.last_ms()
+
+    def step_memory(self) -> dict[str, dict[str, int]]:
+        """Memory after each phase of the last step, in bytes (needs ``memory_breakdown``)."""
+        if not self.memory.enabled:
+            raise DSCompileConfigError("memory_breakdown", "is off, so no memory was recorded", 'set "memory_breakdown": true')
+        return {phase: dict(snapshot) for phase, snapshot in self.memory.last.items()}
+
+    def communication_stats(self) -> dict[str, Any]:
+        """Collectives since construction: ``{source: {op: {"calls", "bytes"[, "seconds"]}}}``, plus extension counters."""
+        out: dict[str, Any] = self.comm_stats.summary()
+        counters = {e.name: e.counters() for e in self.extensions if e.counters()}
+        if counters:
+            out["extensions"] = counters
+        return out
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value by name (gathered where partitioned; a collective)."""
+        assert self.gradients is not None
+        return self.gradients.full_parameters()
+
+    def model_state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer states this rank holds (distinct storages)."""
+        from dscompile.runtime.zero_shard import state_bytes
+
+        if self.gradients is None:
+            return 0
+        return state_bytes(self.gradients.model_state_tensors(self.optimizer))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def core_state_dict(self, client_state: dict | None = None) -> dict[str, Any]:
+        """What every checkpoint layout stores beside the model and optimizer: counters, scheduler, extensions."""
+        return {
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "extensions": {e.name: state for e in self.extensions if (state := e.state_dict()) is not None},
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "client_state": client_state or {},
+            "ds_config": self.config.raw,
+        }
+
+    def load_core_state_dict(self, state: dict[str, Any], load_lr_scheduler_states: bool = True) -> None:
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        saved = state.get("extensions", {})
+        for extension in self.extensions:
+            if extension.name in saved:
+                extension.load_state_dict(saved[extension.name])
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state.get("micro_steps", 0)
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the full model in the training precision (rank 0), DeepSpeed's ``save_16bit_model``.
+
+        Under ZeRO-3 the parameters are gathered only when
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true, as in DeepSpeed;
+        otherwise nothing is written and False is returned. A collective on every rank.
+        """
+        import os
+
+        section = self.config.sections.get("zero_optimization")
+        if section is not None and section.stage == 3 and not (
+            section.stage3_gather_16bit_weights_on_model_save or section.stage3_gather_fp16_weights_on_model_save
+        ):
+            log.warning(
+                "save_16bit_model: nothing saved; under ZeRO-3 set zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                "to true to gather the weights (or use save_checkpoint + zero_to_fp32)"
+            )
+            return False
+        full = self.full_parameters()
+        if self.global_rank == 0:
+            state = dict(self.module.state_dict())
+            first_names: dict[int, str] = {}
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                first = first_names.setdefault(id(p), name)
+                if first in full:
+                    state[name] = full[first]  # tied names share the gathered value
+            if self.compute_dtype is not None:
+                state = {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in state.items()}
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        if self.world_size > 1:
+            dist.barrier()
+        return True
+
+
+def params_or_error(module: nn.Module, needs_training: bool) -> list[nn.Parameter]:
+    """The model's trainable parameters; a clear error when training needs some and there are none."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if needs_training and not params:
+        raise DSCompileConfigError(
+            "model",
+            f"{type(module).__name__} has no trainable parameters, so there is nothing for the optimizer or ZeRO to train",
+            "pass a model with parameters that require grad (or no optimizer, for inference only)",
+        )
+    return params
+
