@@ -70,8 +70,9 @@ class DSCompileEngine(nn.Module, EngineCore):
         self.init_core(config, optimizer, lr_scheduler)
         self.compiles_model = compile_model
         self.compile_target: nn.Module = model  # extensions may wrap it (ZeRO-2/3: a ZeroModule over the shards)
-        self.gradients = DataParallelGradients(model)  # extensions may replace it (ZeRO)
-        self.configure_extensions()
+        self.configure_extensions()  # ZeRO installs its gradient strategy here
+        if self.gradients is None:
+            self.gradients = DataParallelGradients(model)  # the default: whole replicas, gradients averaged
         self._compiled = self._compile(self.compile_target, config)
 
     def _compile(self, target: nn.Module, config: DSConfig) -> Any:

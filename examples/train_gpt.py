@@ -62,6 +62,7 @@ def main() -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights
     case = build(args.model, seed=0, batch_size=micro, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, vocab_size=args.vocab)
     case = case.to(device)
+    n_params = sum(p.numel() for p in case.model.parameters())  # before ZeRO-3 frees the full copies
     engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
     if isinstance(engine, PipelineEngine):
         train_pipeline(engine, case, args, device)
@@ -69,9 +70,8 @@ def main() -> None:
     rank, world = engine.rank, engine.world_size
     if args.load:
         engine.load_checkpoint(args.load)
-    n_params = sum(layout.numel for layout in engine.zero.layouts) if engine.zero else sum(p.numel() for p in case.model.parameters())
     if rank == 0:
-        stage = engine.zero.stage if engine.zero else 0
+        stage = engine.zero_optimization_stage()
         print(f"{args.model}: {n_params / 1e6:.2f}M parameters, ZeRO stage {stage}, {world} rank(s), {device}")
     gas = engine.gradient_accumulation_steps
     start = time.perf_counter()

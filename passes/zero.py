@@ -60,7 +60,16 @@ class ZeroConfig:
     profiling steps (they run op by op, slower) and no second compile.
     ``contiguous_gradients``, ``round_robin_gradients``, ``sub_group_size``,
     ``stage3_max_reuse_distance`` and ``memory_efficient_linear`` are accepted and change nothing
-    here (they tune DeepSpeed's own buffers; the maths is the same). Offload, ZeRO++ and MiCS are refused.
+    here (they tune DeepSpeed's own buffers; the maths is the same); ``reduce_scatter: false`` (an
+    all-reduce instead) is logged and reduce-scattered all the same; ``elastic_checkpoint`` too:
+    every ZeRO checkpoint here loads on any world size. Read by the engine
+    (``runtime/zero_extension.py``): ``allgather_partitions`` (false: the post-step refresh is one
+    broadcast per rank), ``stage3_model_persistence_threshold`` (total elements of small parameters
+    kept whole), ``ignore_unused_parameters`` (false: a parameter with no gradient is an error),
+    ``stage3_gather_16bit_weights_on_model_save`` (``engine.save_16bit_model`` gathers under ZeRO-3;
+    ``stage3_gather_fp16_weights_on_model_save`` is its old name). ``load_from_fp32_weights: false``
+    (rebuild master weights from 16-bit copies) is refused: checkpoints hold the fp32 shards. Offload,
+    ZeRO++ and MiCS are refused.
     """
 
     stage: int = 0
@@ -124,10 +133,18 @@ class ZeroConfig:
             raise DSCompileNotSupportedError(f"{path}.cpu_offload", "ZeRO-Offload (CPU/NVMe offload)")
         if self.zero_hpz_partition_size > 1:
             raise DSCompileNotSupportedError(f"{path}.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning")
-        if self.zero_quantized_weights or self.zero_quantized_gradients:
-            raise DSCompileNotSupportedError(f"{path}.zero_quantized_weights", "ZeRO++ quantized communication")
+        for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+            if getattr(self, key):
+                raise DSCompileNotSupportedError(f"{path}.{key}", "ZeRO++ quantized communication")
         if self.mics_shard_size > 0:
             raise DSCompileNotSupportedError(f"{path}.mics_shard_size", "MiCS sharding")
+        if not self.load_from_fp32_weights:
+            raise DSCompileConfigError(
+                f"{path}.load_from_fp32_weights",
+                "false (rebuild the fp32 master weights from 16-bit model weights) is not supported: dscompile's ZeRO checkpoints "
+                "hold the fp32 master shards and always restore them",
+                "drop the key (true, the default, is what dscompile does)",
+            )
         if not self.reduce_scatter:
             log.info("%s.reduce_scatter=false: dscompile always reduce-scatters (same result as DeepSpeed's all-reduce path)", path)
         if self.overlap_comm is None:
