@@ -495,3 +495,20 @@ def test_pipeline_load_without_latest_warns_and_returns_none(tmp_path: Path, cap
     with caplog.at_level(logging.WARNING):
         assert engine.load_checkpoint(tmp_path) == (None, None)
     assert any("no 'latest' file" in r.getMessage() for r in caplog.records)
+
+
+def test_layers_below_the_engines_never_import_them() -> None:
+    """Extensions plug into the core from below: passes/, backends/, kernels/ and runtime/ never import dscompile.engine."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for folder in ("passes", "backends", "kernels", "dscompile/runtime"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if any(n == "dscompile.engine" or n.startswith("dscompile.engine.") for n in names):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders

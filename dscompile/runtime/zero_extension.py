@@ -125,6 +125,8 @@ class ZeroGradients(GradientStrategy):
 
     def after_optimizer_step(self, engine: EngineCore) -> None:
         zero = self.partition
+        if not any(layout.persistent for layout in zero.layouts):
+            return  # ZeRO-3 with nothing kept whole: the graphs gather what they use
         nbytes = sum(layout.shard_numel * zero.world for layout in zero.layouts if layout.persistent) * zero.shards[0].element_size()
         op = "all_gather" if zero.allgather_partitions else "broadcast"
         with engine.comm_stats.timed("zero", op, nbytes if zero.world > 1 else 0):
