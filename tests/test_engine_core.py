@@ -159,7 +159,7 @@ def test_extension_hooks_run_in_the_pipeline_engine(recorder: list, tmp_path: Pa
     for _ in range(3):
         engine.train_batch(data)
     # forward and backward interleave inside the schedule: before/after_forward wrap it, the loss seed is scaled once
-    batch_calls = ["scale_loss", "before_forward", "after_forward", "after_backward"]
+    batch_calls = ["before_forward", "scale_loss", "after_forward", "after_backward"]
     clean = ["on_gradients_ready", "check_overflow", "before_optimizer_step", "after_optimizer_step(False)"]
     skipped = ["on_gradients_ready", "check_overflow", "after_optimizer_step(True)"]
     assert ext.calls == ["configure", *batch_calls, *clean, *batch_calls, *skipped, *batch_calls, *clean]

@@ -32,11 +32,15 @@ The extension protocol (``EngineExtension``; every hook has a no-op default)
                                           re-pointed by the core), ``engine.gradients`` (the gradient
                                           strategy), set ``engine.communication_data_type``, or
                                           publish a handle on the engine (ZeRO sets ``engine.zero``).
-``before_forward(engine)``                before each forward (a pipeline: before each batch's schedule).
+``before_forward(engine)``                before each forward.
 ``after_forward(engine)``                 after it.
 ``scale_loss(engine, loss) -> loss``      before backward; must multiply by a factor (a pipeline
                                           applies it to the loss gradient it seeds backward with).
-``after_backward(engine)``                after each backward (a pipeline: after the schedule).
+``after_backward(engine)``                after each backward.
+                                          A pipeline engine interleaves forwards and backwards inside
+                                          one ``train_batch``: it calls ``before_forward`` and
+                                          ``scale_loss`` before the schedule, ``after_forward`` and
+                                          ``after_backward`` after it (once per batch).
 ``on_gradients_ready(engine, params)``    at the accumulation boundary, once the gradient strategy has
                                           reduced every gradient (still loss-scaled); ``params`` are the
                                           tensors the optimizer steps (ZeRO: this rank's shards).
@@ -72,6 +76,17 @@ step: ``gradients.clip`` (``gradient_clipping`` > 0), ``before_optimizer_step``,
 Around it the core keeps ``wall_clock_breakdown`` timers and ``memory_breakdown`` snapshots
 (``runtime/engine_metrics.py``; read with ``step_timings()`` / ``step_memory()``) and the
 communication counters (``runtime/comm_stats.py``; ``communication_stats()``).
+
+What every engine has from the core
+-----------------------------------
+``config``, ``world_size``, ``global_rank`` (``rank``), ``optimizer``, ``lr_scheduler``,
+``global_steps``, ``micro_steps``, ``skipped_steps``, ``gradients``, ``extensions``,
+``communication_data_type``, ``loss_scaler``; ``get_lr()``, ``get_global_grad_norm()``,
+``zero_optimization_stage()``, ``wall_clock_breakdown()``, ``memory_breakdown()``, ``step_timings()``,
+``step_memory()``, ``communication_stats()``, ``full_parameters()``, ``model_state_bytes()``,
+``save_16bit_model()``, ``core_state_dict()`` / ``load_core_state_dict()`` (what every checkpoint
+layout stores beside model and optimizer). DeepSpeed's engine accessors belong here too, so that
+every engine answers them alike.
 """
 
 from __future__ import annotations

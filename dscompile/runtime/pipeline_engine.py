@@ -389,9 +389,9 @@ class PipelineEngine(EngineCore):
         begin = time.perf_counter()
         actions = [a for a in build_schedule(self.pcfg.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)]
         p2p = P2P(self.global_rank)
+        self._hook("before_forward")
         # The last stage seeds backward with d(loss / micro_batches)/d(loss), times the loss scale (fp16).
         seed = self.loss_gradient_seed(1.0 / self.micro_batches)
-        self._hook("before_forward")
         with self.memory.phase("schedule"), collecting(self.comm_stats):
             losses, timeline = run_actions(actions, self.program.stages, self.runners, p2p, self.rank_of_stage, batches, self.program.loss, seed)
         self._hook("after_forward")
