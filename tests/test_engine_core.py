@@ -310,6 +310,8 @@ def test_pipeline_engine_reports_timers_and_memory() -> None:
     assert list(memory) == ["schedule", "step"]
     assert memory["step"]["model_state_bytes"] == sum(p.numel() * 4 for p in model.parameters())  # SGD: no state, grads cleared
     assert memory["schedule"]["model_state_bytes"] == 2 * sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(DSCompileConfigError, match="save_16bit_model"):
+        engine.save_16bit_model("unused")  # one consolidated file is not built under pipeline parallelism
 
 
 # ---------------------------------------------------------------------------------------------

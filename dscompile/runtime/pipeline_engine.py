@@ -439,6 +439,12 @@ class PipelineEngine(EngineCore):
                 out[name[len(self._strip) :] if name.startswith(self._strip) else name] = p.detach().clone()
         return out
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Refused: each rank holds only its stages, and one consolidated file is not built yet."""
+        raise DSCompileNotSupportedError(
+            "save_16bit_model", "saving one consolidated 16-bit model under pipeline parallelism (use save_checkpoint: per-stage files)"
+        )
+
     def idle_fraction(self) -> float:
         return self.last_timeline.idle_fraction() if self.last_timeline else 0.0
 
