@@ -611,7 +611,6 @@ def solve_target(solver: CutSolver, target: float, baseline: Cut) -> Cut:
     total_seconds = sum(info.seconds[n] for n in info.forward) or 1e-9
     scale = max(1.0, baseline.saved_bytes) / total_seconds  # lam at which recomputing everything costs the baseline
     low, high = math.log(scale * 1e-5), math.log(scale * 1e5)
-    cheaper: Cut | None = None  # the infeasible cut nearest the budget: less recompute than ``best``
     for _ in range(24):
         mid = (low + high) / 2
         cut = solver.solve(math.exp(mid))
@@ -620,26 +619,25 @@ def solve_target(solver: CutSolver, target: float, baseline: Cut) -> Cut:
             if cut.recompute_seconds <= best.recompute_seconds:
                 best = cut
         else:
-            high, cheaper = mid, cut
+            high = mid
         if high - low < 0.05 or best.saved_bytes >= 0.99 * target:
             break
-    return _refine(solver, math.exp(low), best, cheaper, target)
+    return _refine(solver, math.exp(low), best, target)
 
 
-def _refine(solver: CutSolver, lam: float, cut: Cut, cheaper: Cut | None, target: float, limit: int = 16) -> Cut:
+def _refine(solver: CutSolver, lam: float, cut: Cut, target: float, limit: int = 16) -> Cut:
     """A knapsack step between the two hull points around the budget.
 
     Bandwidth-bound ops all trade bytes for time at about one ratio (a roofline op moves about
     twice what it saves), so many of them tie at one ``lam`` and the hull jumps from "recompute
     none" to "recompute all of them": which of those to recompute is a knapsack the Lagrangian
-    cannot see. Price each candidate (a node the feasible cut recomputes and the cheaper,
-    infeasible one does not; the costliest ``limit``) by one solve with it forbidden to recompute,
+    cannot see. Price each candidate (one of the ``limit`` costliest nodes the feasible cut
+    recomputes) by one solve with it forbidden to recompute,
     pick the set to forbid by an exact knapsack on those prices (assumed additive), and keep the
     result only if the real cut of that set meets the budget and recomputes less; when additivity
     fails, drop the least efficient pick and try again (three tries)."""
     info = solver.info
-    pool = cut.recomputed
-    candidates = sorted((n for n in pool if info.seconds[n] > 0 and n in info.required_fw and n not in solver.banned
+    candidates = sorted((n for n in cut.recomputed if info.seconds[n] > 0 and n in info.required_fw and n not in solver.banned
                          and n not in info.must_recompute),
                         key=lambda n: (-info.seconds[n], n.name))[:limit]
     best = cut
