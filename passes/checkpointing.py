@@ -154,7 +154,7 @@ def _parse_section(value: Any, path: str) -> ActivationCheckpointingConfig:
 register_section("activation_checkpointing", _parse_section, "activation checkpointing")
 
 
-@register_config_rule(30, "checkpointing")
+@register_config_rule(85, "checkpointing")  # after the clean-up: it plans on the joint graph the partitioner gets
 def _checkpointing_rule(config: Any) -> list[Any]:
     section = config.sections.get("activation_checkpointing")
     if section is None:
@@ -325,6 +325,17 @@ def _is_tangent(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and ("tangents" in str(node.target) or "bwd_seed" in str(node.target) or "bwd_base_offset" in str(node.target))
 
 
+def _must_run_in_backward(node: torch.fx.Node) -> bool:
+    """As AOTAutograd's partitioner decides: a node tagged for backward runs there only when it must
+    (a mutation, or an explicit tag). A tangent-free node traced in backward (the rsqrt / N of a
+    decomposed layer-norm backward) is the cut's choice: saved from forward or computed in backward,
+    so this pass prices and tags it like every forward value, or the partitioner would choose alone."""
+    tag = node.meta.get("partitioner_tag")
+    if tag == "must_be_in_backward":
+        return True
+    return tag == "is_backward" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
@@ -359,7 +370,7 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
     for node in nodes:
         if node.op == "output":
             continue
-        if _is_tangent(node) or node.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in node.all_input_nodes):
+        if _is_tangent(node) or _must_run_in_backward(node) or any(a in backward for a in node.all_input_nodes):
             backward.add(node)
     primals = [n for n in nodes if n.op == "placeholder" and n not in backward]
     forward = [n for n in nodes if n.op == "call_function" and n not in backward]
@@ -916,9 +927,21 @@ def _unwrap_rng(node: torch.fx.Node) -> torch.fx.Node:
     return inner
 
 
-def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions, group_size: int = 0) -> Callable[..., Any]:
+def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions, group_size: int = 0,
+                       planned: tuple[torch.fx.Node, ...] = ()) -> Callable[..., Any]:
+    """The partition function: partition the joint graph by the plan's tags and measure the result.
+    ``planned`` is the joint graph's nodes when the pass planned; a later joint pass that changed it
+    (common-subexpression elimination merges a decomposed backward's recomputation into forward
+    values) would leave the plan describing another graph, so the plan is made again on this one."""
+
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> Any:
         nonlocal plan
+        if plan.cut is not None and tuple(joint.graph.nodes) != planned:
+            log.info("%s: the joint graph changed after the checkpoint pass; planning again on the graph partitioned", ctx.graph_name)
+            _restore_pins(joint)
+            plan = _plan_and_tag(joint, ctx.graph_name, joint_inputs, num_fwd_outputs, options)
+            plan.notes.append("planned again: a later joint pass changed the graph")
+            ctx.analysis["checkpointing_plan"] = plan.summary()
         pristine = copy.deepcopy(joint) if plan.target is not None else None  # untouched, should the budget need a second cut
         fw, bw, measured = _partition_and_measure(joint, joint_inputs, num_fwd_outputs, kwargs)
         if pristine is not None and measured["saved_bytes"] > plan.target:
@@ -1061,33 +1084,42 @@ def checkpoint(gm: torch.fx.GraphModule, ctx: PassContext, options: CheckpointOp
     if num_fwd_outputs is None:
         log.warning("%s: no forward-output count in the context; leaving the graph unchanged", ctx.graph_name)
         return gm
+    plan = _plan_and_tag(gm, ctx.graph_name, ctx.example_inputs, num_fwd_outputs, options)
+    if plan.cut is not None:
+        ctx.analysis["checkpointing_plan"] = plan.summary()
+    ctx.analysis["partition_fn"] = _make_partition_fn(ctx, plan, options, group_size, tuple(gm.graph.nodes))
+    return gm
+
+
+def _plan_and_tag(gm: torch.fx.GraphModule, graph_name: str, example_inputs: Any, num_fwd_outputs: int,
+                  options: CheckpointOptions) -> Plan:
+    """Plan ``options``'s policy on ``gm`` and tag its forward nodes; a graph the planner cannot
+    handle is left to the default partitioner, with a warning saying why."""
     try:
         reference = None
         if options.resolved_policy() == "budget":
-            reference = _reference_bytes(gm, ctx, num_fwd_outputs)
+            reference = _reference_bytes(gm, graph_name, example_inputs, num_fwd_outputs)
         plan = plan_checkpointing(gm, num_fwd_outputs, options, reference)
     except Exception as exc:  # networkx unbounded flows, odd graphs: stay correct, say why
         if isinstance(exc, DSCompileConfigError):
             raise
         log.warning("%s: cannot plan checkpointing (%s: %s); leaving the graph to the default partitioner",
-                    ctx.graph_name, type(exc).__name__, exc)
+                    graph_name, type(exc).__name__, exc)
         plan = Plan("none", None, None, None, [f"planning failed: {exc}"])
     if plan.cut is not None:
         apply_plan(gm, plan)
-        ctx.analysis["checkpointing_plan"] = plan.summary()
-    ctx.analysis["partition_fn"] = _make_partition_fn(ctx, plan, options, group_size)
-    return gm
+    return plan
 
 
-def _reference_bytes(gm: torch.fx.GraphModule, ctx: PassContext, num_fwd_outputs: int) -> float | None:
+def _reference_bytes(gm: torch.fx.GraphModule, graph_name: str, example_inputs: Any, num_fwd_outputs: int) -> float | None:
     """The no-checkpointing saved bytes a budget is a fraction of; None (with a warning) when the
     default partition of this graph cannot be measured; the budget then counts from the
     no-recompute cut, which saves more, and the warning says the promise is weaker."""
     try:
-        return float(no_checkpointing_saved_bytes(gm, ctx.example_inputs, num_fwd_outputs))
+        return float(no_checkpointing_saved_bytes(gm, example_inputs, num_fwd_outputs))
     except Exception as exc:  # an odd graph the default partitioner rejects: say so, stay safe
         log.warning("%s: cannot measure the no-checkpointing partition (%s: %s); memory_budget counts from the "
-                    "no-recompute saved bytes instead", ctx.graph_name, type(exc).__name__, exc)
+                    "no-recompute saved bytes instead", graph_name, type(exc).__name__, exc)
         return None
 
 
