@@ -426,7 +426,8 @@ def register_config_rule(order: int, name: str) -> Callable[[ConfigRule], Config
 
     ``fn(config) -> [PassInvocation, ...]`` (empty when its capability is off); rules run in
     ``order``: 10 graph rewrites on the Dynamo graph (sparse attention), 20 sharding (ZeRO),
-    30 checkpointing, 40 mixed precision, 80 clean-up, 90 fusion, then the lowering.
+    40 mixed precision, 80 clean-up, 85 checkpointing (it plans on the cleaned joint graph the
+    partitioner gets), 90 fusion, then the lowering.
     """
 
     def decorator(fn: ConfigRule) -> ConfigRule:

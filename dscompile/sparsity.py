@@ -460,7 +460,7 @@ _MODE_KEYS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class SparseAttentionConfig:
-    """The ``sparse_attention`` config section (DeepSpeed's keys, plus ``seed`` and ``kernel``).
+    """The ``sparse_attention`` config section (DeepSpeed's keys, plus ``seed``, ``kernel`` and ``strict``).
 
     Keys left unset (None) take the DeepSpeed default of the chosen mode's class.
     """
@@ -480,6 +480,7 @@ class SparseAttentionConfig:
     num_sliding_window_blocks: int | None = None
     seed: int = 0
     kernel: Kernel = "auto"
+    strict: bool = False  # dscompile's: an attention site left dense is an error, not a warning
 
     def mode_options(self) -> dict[str, Any]:
         """The mode-specific keyword arguments the user set."""

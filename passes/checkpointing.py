@@ -8,16 +8,27 @@ is split into ``v_in -> v_out``; cutting that edge means *save v* (cost: its byt
 matmul-class ops are priced by their FLOPs at matmul throughput, pointwise and reduction ops by
 the bytes they move at memory bandwidth, so a cheap elementwise op is not priced like a matmul.
 One cut minimises ``saved bytes + lam * recompute seconds`` exactly; sweeping ``lam`` walks the
-lower convex hull of the (saved bytes, recompute time) Pareto front, and a bisection on ``lam``
-finds the cheapest recompute set whose saved bytes meet a budget.
+lower convex hull of the (saved bytes, recompute time) Pareto front, a bisection on ``lam``
+brackets a budget between two hull points, and a knapsack over the nodes of the feasible one
+(``_refine``) fills the gap: bandwidth-bound ops all trade bytes for time at about one ratio, so
+the hull alone jumps over the budget.
+
+Bytes are counted per storage, in the plan and in the measurement alike: an alias (a view by the
+op's schema, ``detach``, ``_unsafe_view``, an item of ``split``) holds its base's whole storage, two
+saved aliases of one tensor hold it once, and an alias of a graph input (a transposed parameter)
+holds nothing new.
 
 Policies: ``none`` (no decisions, only measurement), ``full`` (inside each block only block
 inputs may be saved), ``selective`` (outputs of compute-intensive ops may not be recomputed;
 everything else is recomputed where that saves memory), ``budget`` (keep at most
-``memory_budget`` x the *no-recompute* saved bytes, the activations eager PyTorch keeps, at the
-least recompute time). torch's ``activation_memory_budget`` measures its budget differently
-(0: save only graph inputs, 1: its default runtime-optimised cut, which already recomputes
-cheap pointwise ops); ``bench/checkpointing.py`` therefore compares the two at equal saved bytes.
+``memory_budget`` x the bytes saved *without activation checkpointing*, at the least recompute
+time). "Without activation checkpointing" is measured, not modelled: the pass partitions a copy
+of the joint graph with AOTAutograd's default min-cut (what a compile without this pass saves; it
+already recomputes some cheap pointwise ops) and measures it as it measures its own partition.
+That is the scale of torch's ``activation_memory_budget`` too (1: its default cut), so the same
+number asks both for the same bytes. After partitioning, the pass measures what the forward
+really saves; should the partitioner keep more than the plan predicted, it cuts again for a
+target lowered by the excess (``_keep_budget``), so the budget is met as measured.
 
 Decisions reach AOTAutograd's min-cut partitioner as ``node.meta["recompute"]``
 (``CheckpointPolicy.MUST_SAVE`` / ``MUST_RECOMPUTE``) on every forward node, which pins its cut
@@ -43,6 +54,8 @@ partitioner, measures what the forward really hands to backward, applies
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
 import json
 import logging
 import math
@@ -141,7 +154,7 @@ def _parse_section(value: Any, path: str) -> ActivationCheckpointingConfig:
 register_section("activation_checkpointing", _parse_section, "activation checkpointing")
 
 
-@register_config_rule(30, "checkpointing")
+@register_config_rule(85, "checkpointing")  # after the clean-up: it plans on the joint graph the partitioner gets
 def _checkpointing_rule(config: Any) -> list[Any]:
     section = config.sections.get("activation_checkpointing")
     if section is None:
@@ -166,7 +179,7 @@ class CheckpointOptions:
     policy: Literal["auto", "none", "full", "selective", "budget"] = field(
         default="auto", metadata={"help": "auto: budget when budget is given, else full"}
     )
-    budget: float | None = field(default=None, metadata={"help": "fraction (0..1) of the no-recompute saved bytes to keep"})
+    budget: float | None = field(default=None, metadata={"help": "fraction (0..1) of the bytes saved without checkpointing to keep"})
     number_checkpoints: int = field(default=0, metadata={"help": "segments for policy full (0: one per block)"})
     cpu_offload: bool = field(default=False, metadata={"help": "move saved activations to host memory"})
     partition_activations: bool = field(default=False, metadata={"help": "shard saved activations across ranks"})
@@ -250,7 +263,7 @@ def recompute_seconds(node: torch.fx.Node, hints: dict[Any, int], roofline: Roof
     with the throughput of the op's class; views and other free ops cost nothing."""
     from dscompile.cost import evaluate, node_cost
 
-    if node.op != "call_function" or _op_types().is_view(node):
+    if node.op != "call_function" or is_alias(node):
         return 0.0
     cost = node_cost(node)
     flops = evaluate(cost.flops, hints)
@@ -285,8 +298,42 @@ def _op_types() -> Any:
     return _OPS
 
 
+def is_alias(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value shares its first argument's storage: a view by the op's schema
+    (``view``, ``transpose``, ``detach``, ``split``, ...), ``_unsafe_view`` (it declares no alias but
+    returns one), or an item of a view op's tuple. torch's partitioner lists fewer views
+    (no transpose, no detach), which would count a transposed parameter as an activation."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target is operator.getitem:
+        return is_alias(node.args[0])
+    return bool(getattr(node.target, "is_view", False)) or node.target is torch.ops.aten._unsafe_view.default
+
+
+def storage_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that allocated the storage ``node``'s value lives in (itself unless it is an alias).
+
+    Saving any alias keeps that whole storage alive, so bytes are counted per base: a placeholder
+    base costs nothing (the caller holds graph inputs and parameters anyway), and two saved views
+    of one tensor cost it once."""
+    while is_alias(node):
+        node = node.args[0]  # an item of split(x) walks to split, then to x
+    return node
+
+
 def _is_tangent(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and ("tangents" in str(node.target) or "bwd_seed" in str(node.target) or "bwd_base_offset" in str(node.target))
+
+
+def _must_run_in_backward(node: torch.fx.Node) -> bool:
+    """As AOTAutograd's partitioner decides: a node tagged for backward runs there only when it must
+    (a mutation, or an explicit tag). A tangent-free node traced in backward (the rsqrt / N of a
+    decomposed layer-norm backward) is the cut's choice: saved from forward or computed in backward,
+    so this pass prices and tags it like every forward value, or the partitioner would choose alone."""
+    tag = node.meta.get("partitioner_tag")
+    if tag == "must_be_in_backward":
+        return True
+    return tag == "is_backward" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -323,7 +370,7 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
     for node in nodes:
         if node.op == "output":
             continue
-        if _is_tangent(node) or node.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in node.all_input_nodes):
+        if _is_tangent(node) or _must_run_in_backward(node) or any(a in backward for a in node.all_input_nodes):
             backward.add(node)
     primals = [n for n in nodes if n.op == "placeholder" and n not in backward]
     forward = [n for n in nodes if n.op == "call_function" and n not in backward]
@@ -332,7 +379,6 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
     needed_by_bw: set[torch.fx.Node] = set()
     for node in backward:
         needed_by_bw |= _ancestors([a for a in node.all_input_nodes if a not in backward], stop=backward)
-    ops = _op_types()
     roofline = roofline_for(_graph_device(forward))
     size: dict[torch.fx.Node, float] = {}
     flops: dict[torch.fx.Node, int] = {}
@@ -346,13 +392,16 @@ def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
             flops[node] = 0
             seconds[node] = 0.0
             continue
+        base = storage_base(node)
         if isinstance(value, torch.Tensor):
-            size[node] = float(evaluate(nbytes(value), hints))
+            # saving an alias keeps its base's whole storage alive; an alias of an input costs nothing
+            held = node_value(base) if base is not node else value
+            size[node] = 0.0 if base.op == "placeholder" else float(evaluate(nbytes(held), hints)) if isinstance(held, torch.Tensor) else math.inf
         elif isinstance(value, (torch.SymInt, int, float, bool)):
             size[node] = 0.0
         else:
             size[node] = math.inf  # tuples: their getitems are what gets saved
-        flops[node] = 0 if ops.is_view(node) else evaluate(node_cost(node).flops, hints)
+        flops[node] = 0 if is_alias(node) else evaluate(node_cost(node).flops, hints)
         seconds[node] = recompute_seconds(node, hints, roofline)
         reason = _ban_reason(node)
         pinned = node.meta.get("recompute")
@@ -535,33 +584,44 @@ class CutSolver:
         # Recomputing something backward never uses is pointless (and would force its inputs).
         recomputed &= self.info.needed_by_bw
         extra = [n for n in recomputed if n in self.info.required_fw]
-        saved_bytes = sum(self.info.size[n] for n in saved)
+        held: dict[torch.fx.Node, float] = {}  # one storage held once, however many of its aliases are saved
+        for node in saved:
+            base = storage_base(node)
+            held[base] = max(held.get(base, 0.0), self.info.size[node])
+        saved_bytes = sum(held.values())
         replays = sum(1 for n in extra if _is_random(n))
         return Cut(saved, recomputed, saved_bytes + replays * self.info.rng_state_bytes,
                    sum(self.info.flops[n] for n in extra), sum(self.info.seconds[n] for n in extra), replays)
 
 
-def solve_budget(info: JointInfo, budget: float) -> tuple[Cut, Cut]:
-    """The least-recompute-time cut whose saved bytes are at most ``budget`` x the no-recompute bytes.
+def solve_budget(info: JointInfo, budget: float, reference: float | None = None) -> tuple[Cut, Cut]:
+    """The least-recompute-time cut whose saved bytes are at most ``budget`` x ``reference``.
 
-    Returns (chosen cut, baseline cut). Bisection on ``lam`` in log space (saved bytes fall
-    monotonically as ``lam``, the price of a second, falls) brackets the budget between two hull
-    points; ``_refine`` then spends the slack the feasible one leaves.
+    ``reference``: the bytes saved without activation checkpointing (``no_checkpointing_saved_bytes``);
+    None: the no-recompute cut's. Returns (chosen cut, baseline cut). Bisection on ``lam`` in log
+    space (saved bytes fall monotonically as ``lam``, the price of a second, falls) brackets the
+    budget between two hull points; ``_refine`` then spends the slack the feasible one leaves.
     """
     solver = CutSolver(info)
     baseline = solver.solve(math.inf)
-    target = budget * baseline.saved_bytes
+    target = budget * (baseline.saved_bytes if reference is None else reference)
+    return solve_target(solver, target, baseline), baseline
+
+
+def solve_target(solver: CutSolver, target: float, baseline: Cut) -> Cut:
+    """The least-recompute-time cut of ``solver`` that saves at most ``target`` bytes (or the least it
+    can); ``baseline`` is its no-recompute cut."""
+    info = solver.info
     if baseline.saved_bytes <= target:
-        return baseline, baseline
+        return baseline
     best = solver.solve(0.0)
     if best.saved_bytes > target:
-        log.info("budget %.2f is below what recomputing everything recomputable reaches (%.0f of %.0f bytes); using that",
-                 budget, best.saved_bytes, baseline.saved_bytes)
-        return best, baseline
+        log.warning("a memory budget of %.0f bytes is below what recomputing everything recomputable reaches (%.0f bytes); "
+                    "saving that", target, best.saved_bytes)
+        return best
     total_seconds = sum(info.seconds[n] for n in info.forward) or 1e-9
     scale = max(1.0, baseline.saved_bytes) / total_seconds  # lam at which recomputing everything costs the baseline
     low, high = math.log(scale * 1e-5), math.log(scale * 1e5)
-    cheaper: Cut | None = None  # the infeasible cut nearest the budget: less recompute than ``best``
     for _ in range(24):
         mid = (low + high) / 2
         cut = solver.solve(math.exp(mid))
@@ -570,29 +630,73 @@ def solve_budget(info: JointInfo, budget: float) -> tuple[Cut, Cut]:
             if cut.recompute_seconds <= best.recompute_seconds:
                 best = cut
         else:
-            high, cheaper = mid, cut
+            high = mid
         if high - low < 0.05 or best.saved_bytes >= 0.99 * target:
             break
-    return _refine(solver, math.exp(low), best, cheaper, target), baseline
+    return _refine(solver, math.exp(low), best, target)
 
 
-def _refine(solver: CutSolver, lam: float, cut: Cut, cheaper: Cut | None, target: float, limit: int = 12) -> Cut:
-    """Knapsack-style step between the two hull points around the budget: forbid recomputing, one
-    at a time, the costliest nodes the feasible cut recomputes and the cheaper (infeasible) one
-    does not, keeping each ban that still meets the budget and lowers the recompute time."""
+def _refine(solver: CutSolver, lam: float, cut: Cut, target: float, limit: int = 16) -> Cut:
+    """A knapsack step between the two hull points around the budget.
+
+    Bandwidth-bound ops all trade bytes for time at about one ratio (a roofline op moves about
+    twice what it saves), so many of them tie at one ``lam`` and the hull jumps from "recompute
+    none" to "recompute all of them": which of those to recompute is a knapsack the Lagrangian
+    cannot see. Price each candidate (one of the ``limit`` costliest nodes the feasible cut
+    recomputes) by one solve with it forbidden to recompute,
+    pick the set to forbid by an exact knapsack on those prices (assumed additive), and keep the
+    result only if the real cut of that set meets the budget and recomputes less; when additivity
+    fails, drop the least efficient pick and try again (three tries)."""
     info = solver.info
-    pool = cut.recomputed - cheaper.recomputed if cheaper is not None else cut.recomputed
-    candidates = sorted((n for n in pool if info.seconds[n] > 0 and n in info.required_fw and n not in solver.banned
+    candidates = sorted((n for n in cut.recomputed if info.seconds[n] > 0 and n in info.required_fw and n not in solver.banned
                          and n not in info.must_recompute),
-                        key=lambda n: -info.seconds[n])[:limit]
+                        key=lambda n: (-info.seconds[n], n.name))[:limit]
+    best = cut
+    items: list[tuple[torch.fx.Node, float, float]] = []  # (node, extra bytes, seconds saved) if forbidden alone
     for node in candidates:
-        solver.banned.add(node)
-        trial = solver.solve(lam)
-        if trial.saved_bytes <= target and trial.recompute_seconds < cut.recompute_seconds:
-            cut = trial
-        else:
-            solver.banned.discard(node)
-    return cut
+        trial = _solve_banning(solver, lam, [node])
+        saved_seconds = cut.recompute_seconds - trial.recompute_seconds
+        if saved_seconds <= 0:
+            continue
+        items.append((node, trial.saved_bytes - cut.saved_bytes, saved_seconds))
+        if trial.saved_bytes <= target and trial.recompute_seconds < best.recompute_seconds:
+            best = trial
+    chosen = _knapsack(items, target - cut.saved_bytes)
+    for _ in range(3):
+        if len(chosen) < 2:
+            break
+        trial = _solve_banning(solver, lam, [node for node, _b, _s in chosen])
+        if trial.saved_bytes <= target:
+            if trial.recompute_seconds < best.recompute_seconds:
+                best = trial
+            break
+        chosen.remove(min(chosen, key=lambda item: item[2] / max(item[1], 1.0)))
+    return best
+
+
+def _solve_banning(solver: CutSolver, lam: float, nodes: list[torch.fx.Node]) -> Cut:
+    """``solver.solve(lam)`` with ``nodes`` also forbidden to recompute."""
+    added = [n for n in nodes if n not in solver.banned]
+    solver.banned.update(added)
+    try:
+        return solver.solve(lam)
+    finally:
+        solver.banned.difference_update(added)
+
+
+def _knapsack(items: list[tuple[Any, float, float]], room: float) -> list[tuple[Any, float, float]]:
+    """The subset of ``(item, cost, value)`` with the largest total value whose total cost stays
+    within ``room`` (exact: a Pareto frontier of (cost, value) over the items; items are few)."""
+    frontier: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]
+    for index, (_item, cost, value) in enumerate(items):
+        grown = [(c + cost, v + value, picked + (index,)) for c, v, picked in frontier if c + cost <= room]
+        merged = sorted(frontier + grown, key=lambda entry: (entry[0], -entry[1]))
+        frontier = []
+        for entry in merged:  # keep only states no cheaper state beats
+            if not frontier or entry[1] > frontier[-1][1]:
+                frontier.append(entry)
+    best = max(frontier, key=lambda entry: entry[1])
+    return [items[i] for i in best[2]]
 
 
 @dataclass
@@ -604,11 +708,17 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     forward: list[torch.fx.Node] = field(default_factory=list, repr=False)
     boundary: list[str] | None = None  # policy full: the segment inputs, the only values it may save
+    reference: float | None = None  # policy budget: the no-checkpointing saved bytes (None: unknown)
+    target: float | None = None  # policy budget: the saved bytes it promises at most
 
     def summary(self) -> dict[str, Any]:
         data: dict[str, Any] = {"policy": self.policy, "memory_budget": self.budget, "notes": self.notes}
         if self.baseline is not None:
             data["baseline_saved_bytes"] = int(self.baseline.saved_bytes)
+        if self.reference is not None:
+            data["no_checkpointing_saved_bytes"] = int(self.reference)
+        if self.target is not None:
+            data["target_saved_bytes"] = int(self.target)
         if self.cut is not None:
             data["predicted_saved_bytes"] = int(self.cut.saved_bytes)
             data["predicted_recompute_flops"] = int(self.cut.recompute_flops)
@@ -621,16 +731,49 @@ class Plan:
         return data
 
 
-def plan_checkpointing(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CheckpointOptions) -> Plan:
+def no_checkpointing_saved_bytes(gm: torch.fx.GraphModule, example_inputs: Any, num_fwd_outputs: int) -> int:
+    """What the forward saves for backward without activation checkpointing: AOTAutograd's min-cut
+    partition (dscompile's default, which already recomputes cheap pointwise ops) of a copy of the
+    joint graph, measured as ``measure_partition`` measures every partition. Earlier passes' pins
+    stay (ZeRO-3's gathers are released without checkpointing too); torch's own
+    ``activation_memory_budget`` is held at 1 for it. ``memory_budget`` is a fraction of this, the
+    scale torch's ``activation_memory_budget`` uses."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    joint = copy.deepcopy(gm)
+    with torch._functorch.config.patch(activation_memory_budget=1.0), _fake_mode_of(example_inputs):
+        fw, bw = min_cut_rematerialization_partition(joint, example_inputs, num_fwd_outputs=num_fwd_outputs)
+    for module in (fw, bw):
+        _fill_missing_values(module)
+    return measure_partition(fw, bw, num_fwd_outputs)["saved_bytes"]
+
+
+def _fake_mode_of(values: Any) -> Any:
+    """The fake mode of ``values`` to enter, unless it is already active (or there is none)."""
+    from torch._guards import detect_fake_mode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mode = detect_fake_mode(list(values) if values is not None else [])
+    if mode is None or mode in _get_current_dispatch_mode_stack():
+        return contextlib.nullcontext()
+    return mode
+
+
+def plan_checkpointing(gm: torch.fx.GraphModule, num_fwd_outputs: int, options: CheckpointOptions, reference: float | None = None) -> Plan:
+    """The plan of ``options``'s policy; ``reference`` (policy budget): the no-checkpointing saved
+    bytes the budget is a fraction of (``no_checkpointing_saved_bytes``), None: the no-recompute cut's."""
     policy = options.resolved_policy()
     if policy == "none":
         return Plan(policy, None, None, None)
     info = analyse_joint(gm, num_fwd_outputs)
-    baseline = CutSolver(info).solve(math.inf)
     if policy == "budget":
         assert options.budget is not None
-        cut, baseline = solve_budget(info, options.budget)
-        return Plan(policy, options.budget, cut, baseline, forward=info.forward)
+        cut, baseline = solve_budget(info, options.budget, reference)
+        plan = Plan(policy, options.budget, cut, baseline, forward=info.forward)
+        plan.reference = reference
+        plan.target = options.budget * (baseline.saved_bytes if reference is None else reference)
+        return plan
+    baseline = CutSolver(info).solve(math.inf)
     if policy == "selective":
         ops = _op_types()
         expensive = [n for n in info.forward if ops.is_compute_intensive(n) or "attention" in str(n.target)]
@@ -662,6 +805,7 @@ def apply_plan(gm: torch.fx.GraphModule, plan: Plan) -> None:
         value = node_value(node)
         if not isinstance(value, (torch.Tensor, tuple, list)):
             continue  # symbolic sizes: the partitioner handles them
+        ds_meta(node).setdefault("pin", node.meta.get("recompute"))  # an earlier pass's pin, for a second plan
         if node in cut.recomputed:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             ds_meta(node)["checkpoint"] = "recompute"
@@ -695,21 +839,21 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 
 def measure_partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> dict[str, Any]:
     """Saved-activation bytes (forward outputs beyond the user outputs that are not graph inputs or
-    views of them) and the recompute cost of backward nodes that also run in forward: all their
-    FLOPs, the matmul-class FLOPs alone (the ones torch's FlopCounterMode counts), and their
-    roofline time (``recompute_seconds``), with the forward's totals to relate them to."""
+    aliases of them, counted once per storage: two saved views of one tensor hold it once, a
+    saved slice holds its whole base) and the recompute cost of backward nodes that also run in
+    forward: all their FLOPs, the matmul-class FLOPs alone (the ones torch's FlopCounterMode
+    counts), and their roofline time (``recompute_seconds``), with the forward's totals to relate them to."""
     from dscompile.cost import _shape_hints, evaluate, nbytes, node_cost
     from dscompile.runtime.activation_offload import saved_outputs
 
     hints = _shape_hints(fw)
-    ops = _op_types()
     saved = saved_outputs(fw, num_fwd_outputs)
     activations, inputs, rng = [], [], []
     for node in saved:
         value = node_value(node)
         if not isinstance(value, torch.Tensor):
             continue
-        if _aliases_input(node, ops):
+        if storage_base(node).op == "placeholder":
             inputs.append(node)
         elif "rng_state" in node.name or (node.target is operator.getitem and "run_and_save_rng" in str(node.args[0].target)):
             rng.append(node)
@@ -717,7 +861,12 @@ def measure_partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fw
             activations.append(node)
 
     def total(nodes: list[torch.fx.Node]) -> int:
-        return sum(evaluate(nbytes(node_value(n)), hints) for n in nodes)
+        held: dict[torch.fx.Node, int] = {}
+        for node in nodes:
+            base = storage_base(node)
+            value = node_value(base) if isinstance(node_value(base), torch.Tensor) else node_value(node)
+            held[base] = evaluate(nbytes(value), hints)
+        return sum(held.values())
 
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     bw_hints = _shape_hints(bw)
@@ -728,7 +877,7 @@ def measure_partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fw
     for node in bw.graph.nodes:
         if node.op == "call_function" and (node.name in fw_names or str(node.target).endswith("run_with_rng_state")):
             recomputed.append(node.name)
-            if not ops.is_view(node):
+            if not is_alias(node):
                 node = _unwrap_rng(node)
                 flops = evaluate(node_cost(node).flops, bw_hints)
                 recompute_flops += flops
@@ -778,20 +927,27 @@ def _unwrap_rng(node: torch.fx.Node) -> torch.fx.Node:
     return inner
 
 
-def _aliases_input(node: torch.fx.Node, ops: Any) -> bool:
-    while node.op == "call_function" and ops.is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node.op == "placeholder"
+def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions, group_size: int = 0,
+                       planned: tuple[torch.fx.Node, ...] = ()) -> Callable[..., Any]:
+    """The partition function: partition the joint graph by the plan's tags and measure the result.
+    ``planned`` is the joint graph's nodes when the pass planned; a later joint pass that changed it
+    (common-subexpression elimination merges a decomposed backward's recomputation into forward
+    values) would leave the plan describing another graph, so the plan is made again on this one."""
 
-
-def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions, group_size: int = 0) -> Callable[..., Any]:
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> Any:
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        for module in (fw, bw):
-            _fill_missing_values(module)
-        report = {"graph": ctx.graph_name, **plan.summary(), **measure_partition(fw, bw, num_fwd_outputs)}
+        nonlocal plan
+        if plan.cut is not None and tuple(joint.graph.nodes) != planned:
+            log.info("%s: the joint graph changed after the checkpoint pass; planning again on the graph partitioned", ctx.graph_name)
+            _restore_pins(joint)
+            plan = _plan_and_tag(joint, ctx.graph_name, joint_inputs, num_fwd_outputs, options)
+            plan.notes.append("planned again: a later joint pass changed the graph")
+            ctx.analysis["checkpointing_plan"] = plan.summary()
+        pristine = copy.deepcopy(joint) if plan.target is not None else None  # untouched, should the budget need a second cut
+        fw, bw, measured = _partition_and_measure(joint, joint_inputs, num_fwd_outputs, kwargs)
+        if pristine is not None and measured["saved_bytes"] > plan.target:
+            plan, joint, fw, bw, measured = _keep_budget(pristine, joint_inputs, num_fwd_outputs, kwargs, plan, (joint, fw, bw, measured))
+            ctx.analysis["checkpointing_plan"] = plan.summary()
+        report = {"graph": ctx.graph_name, **plan.summary(), **measured}
         joint_nodes = {n.name: n for n in joint.graph.nodes}
         report["saved_block"] = {name: block_of(joint_nodes[name]) if name in joint_nodes else None for name in report["saved"]}
         to_offload = report["saved"]
@@ -803,6 +959,63 @@ def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions,
         return fw, bw
 
     return partition
+
+
+def _partition_and_measure(joint: torch.fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+                           kwargs: dict[str, Any]) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, dict[str, Any]]:
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    for module in (fw, bw):
+        _fill_missing_values(module)
+    return fw, bw, measure_partition(fw, bw, num_fwd_outputs)
+
+
+def _restore_pins(gm: torch.fx.GraphModule) -> None:
+    """Undo ``apply_plan``'s tags, leaving the pins earlier passes had set."""
+    for node in gm.graph.nodes:
+        meta = node.meta.get("dscompile", {})
+        if "pin" not in meta:
+            continue
+        pin = meta.pop("pin")
+        meta.pop("checkpoint", None)
+        if pin is None:
+            node.meta.pop("recompute", None)
+        else:
+            node.meta["recompute"] = pin
+
+
+def _keep_budget(pristine: torch.fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, kwargs: dict[str, Any], plan: Plan,
+                 first: tuple[Any, ...], attempts: int = 2) -> tuple[Any, ...]:
+    """The partitioner saved more than the plan predicted (it may keep a value the cut model did not
+    expect): plan again for a target lowered by the overshoot, on a fresh copy of the joint graph,
+    until the measured bytes meet the budget. Returns (plan, joint, fw, bw, measured) of the best try."""
+    assert plan.target is not None
+    best = (plan, *first)
+    target = plan.target
+    for attempt in range(attempts):
+        over = best[4]["saved_bytes"] - plan.target
+        if over <= 0:
+            break
+        target -= over
+        joint = copy.deepcopy(pristine)
+        _restore_pins(joint)
+        info = analyse_joint(joint, num_fwd_outputs)
+        solver = CutSolver(info)
+        baseline = solver.solve(math.inf)
+        retry = Plan(plan.policy, plan.budget, solve_target(solver, max(target, 0.0), baseline), baseline,
+                     [*plan.notes, f"second cut {attempt + 1}: the partitioner saved {over:.0f} bytes over the target"],
+                     forward=info.forward, reference=plan.reference, target=plan.target)
+        apply_plan(joint, retry)
+        fw, bw, measured = _partition_and_measure(joint, joint_inputs, num_fwd_outputs, kwargs)
+        log.info("checkpoint: the partition saved %.0f bytes over the budget's %.0f; cut again for %.0f: %d saved",
+                 over, plan.target, target, measured["saved_bytes"])
+        if measured["saved_bytes"] < best[4]["saved_bytes"]:
+            best = (retry, joint, fw, bw, measured)
+    if best[4]["saved_bytes"] > plan.target:
+        log.warning("checkpoint: memory_budget %.2f not met: the partition saves %d bytes, the budget allows %.0f",
+                    plan.budget, best[4]["saved_bytes"], plan.target)
+    return best
 
 
 def _partition(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int, report: dict[str, Any], group_size: int,
@@ -871,19 +1084,43 @@ def checkpoint(gm: torch.fx.GraphModule, ctx: PassContext, options: CheckpointOp
     if num_fwd_outputs is None:
         log.warning("%s: no forward-output count in the context; leaving the graph unchanged", ctx.graph_name)
         return gm
+    plan = _plan_and_tag(gm, ctx.graph_name, ctx.example_inputs, num_fwd_outputs, options)
+    if plan.cut is not None:
+        ctx.analysis["checkpointing_plan"] = plan.summary()
+    ctx.analysis["partition_fn"] = _make_partition_fn(ctx, plan, options, group_size, tuple(gm.graph.nodes))
+    return gm
+
+
+def _plan_and_tag(gm: torch.fx.GraphModule, graph_name: str, example_inputs: Any, num_fwd_outputs: int,
+                  options: CheckpointOptions) -> Plan:
+    """Plan ``options``'s policy on ``gm`` and tag its forward nodes; a graph the planner cannot
+    handle is left to the default partitioner, with a warning saying why."""
     try:
-        plan = plan_checkpointing(gm, num_fwd_outputs, options)
+        reference = None
+        if options.resolved_policy() == "budget":
+            reference = _reference_bytes(gm, graph_name, example_inputs, num_fwd_outputs)
+        plan = plan_checkpointing(gm, num_fwd_outputs, options, reference)
     except Exception as exc:  # networkx unbounded flows, odd graphs: stay correct, say why
         if isinstance(exc, DSCompileConfigError):
             raise
         log.warning("%s: cannot plan checkpointing (%s: %s); leaving the graph to the default partitioner",
-                    ctx.graph_name, type(exc).__name__, exc)
+                    graph_name, type(exc).__name__, exc)
         plan = Plan("none", None, None, None, [f"planning failed: {exc}"])
     if plan.cut is not None:
         apply_plan(gm, plan)
-        ctx.analysis["checkpointing_plan"] = plan.summary()
-    ctx.analysis["partition_fn"] = _make_partition_fn(ctx, plan, options, group_size)
-    return gm
+    return plan
+
+
+def _reference_bytes(gm: torch.fx.GraphModule, graph_name: str, example_inputs: Any, num_fwd_outputs: int) -> float | None:
+    """The no-checkpointing saved bytes a budget is a fraction of; None (with a warning) when the
+    default partition of this graph cannot be measured; the budget then counts from the
+    no-recompute cut, which saves more, and the warning says the promise is weaker."""
+    try:
+        return float(no_checkpointing_saved_bytes(gm, example_inputs, num_fwd_outputs))
+    except Exception as exc:  # an odd graph the default partitioner rejects: say so, stay safe
+        log.warning("%s: cannot measure the no-checkpointing partition (%s: %s); memory_budget counts from the "
+                    "no-recompute saved bytes instead", graph_name, type(exc).__name__, exc)
+        return None
 
 
 def _partition_group_size(options: CheckpointOptions, world_size: int) -> int:

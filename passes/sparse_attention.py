@@ -39,8 +39,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dscompile.config import register_section
+from dscompile.errors import DSCompileError
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.kernels.sparse_attention_op import layout_from_spec
 from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
@@ -288,7 +290,10 @@ def _match_explicit(softmax: torch.fx.Node) -> AttentionMatch:
 
 
 def find_attention(gm: torch.fx.GraphModule) -> tuple[list[AttentionMatch], list[tuple[torch.fx.Node, str]]]:
-    """Every attention site of the graph, and the attention-like nodes that could not be matched (and why)."""
+    """Every attention site of the graph, and the attention sites that could not be matched (and why).
+
+    Sites are SDPA calls and softmaxes that sit between two matmuls (scores from a product, weights
+    into a product); other softmaxes (a classifier's probabilities) are not attention and not reported."""
     matches, skipped = [], []
     for node in gm.graph.nodes:
         try:
@@ -297,31 +302,83 @@ def find_attention(gm: torch.fx.GraphModule) -> tuple[list[AttentionMatch], list
             elif _is(node, _SOFTMAX_FNS, "softmax"):
                 matches.append(_fold_causal(_check_shapes(_match_explicit(node))))
         except NoMatch as why:
-            skipped.append((node, str(why)))
+            if _is(node, _SDPA) or _between_products(node):
+                skipped.append((node, str(why)))
+            else:
+                log.debug("'%s' is a softmax outside attention (%s)", node.name, why)
     return matches, skipped
 
 
+_PRODUCT_FNS = _MATMUL_FNS | {torch.bmm, torch.einsum}
+_PRODUCT_METHODS = ("matmul", "bmm")
+
+
+def _is_product(node: torch.fx.Node) -> bool:
+    return _is(node, _PRODUCT_FNS) or (node.op == "call_method" and node.target in _PRODUCT_METHODS)
+
+
+def _between_products(softmax: torch.fx.Node, hops: int = 6) -> bool:
+    """Whether a product feeds ``softmax`` and its result feeds a product, each within ``hops`` nodes."""
+
+    def reaches(start: torch.fx.Node, step: Any) -> bool:
+        frontier, seen = [start], {start}
+        for _ in range(hops):
+            frontier = [n for node in frontier for n in step(node) if n not in seen]
+            seen.update(frontier)
+            if any(_is_product(n) for n in frontier):
+                return True
+        return False
+
+    return reaches(softmax, lambda n: n.all_input_nodes) and reaches(softmax, lambda n: list(n.users))
+
+
+class SparseAttentionLeftDenseError(DSCompileError):
+    """``sparse_attention.strict``: an attention site the pass cannot make sparse."""
+
+
+def _site(node: torch.fx.Node) -> str:
+    """Where ``node`` comes from in the user's code: its module path and source line, when known."""
+    parts = [f"'{node.name}'"]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = str(list(stack.values())[-1][0])
+        parts.append(f"in {path}")
+    trace = node.meta.get("stack_trace")
+    if trace:
+        frames = [line.strip() for line in str(trace).strip().splitlines() if line.strip().startswith("File ")]
+        if frames:
+            parts.append(f"({frames[-1]})")
+    return " ".join(parts)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Sizes provably equal, without adding a guard on a symbolic size."""
+    return statically_known_true(a == b)
+
+
 def _check_shapes(m: AttentionMatch) -> AttentionMatch:
+    """Self-attention shapes. Batch and sequence length may be symbolic (Dynamo makes them so at the
+    second distinct length): the op then builds the layout at run time from the real length. The
+    head count and head size must be fixed: the layout has one pattern per head."""
     values = [node_value(n) for n in (m.q, m.k, m.v)]
     if not all(isinstance(v, torch.Tensor) for v in values):
         raise NoMatch("q, k, v have no recorded values")
     q, k, v = values
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise NoMatch(f"q/k/v are {q.dim()}-D; the op needs [batch, heads, seq, head_dim]")
-    if not all(isinstance(d, int) for t in values for d in t.shape):
-        raise NoMatch("symbolic (dynamic) shapes are not supported; compile with dynamic=False")
-    if q.shape[:3] != k.shape[:3] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+    if not isinstance(q.shape[1], int) or not isinstance(q.shape[3], int):
+        raise NoMatch(f"the head count or head size is symbolic ({q.shape[1]}, {q.shape[3]}); the layout needs a fixed head count")
+    if not all(_same(q.shape[i], t.shape[i]) for t in (k, v) for i in range(3)) or not _same(q.shape[3], k.shape[3]):
         raise NoMatch(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} are not self-attention shapes")
+    scores = (q.shape[0], q.shape[1], q.shape[2], q.shape[2])
     for mask in m.masks:
         value = node_value(mask.tensor)
         if not isinstance(value, torch.Tensor):
             raise NoMatch("a mask has no recorded value")
         if mask.kind == "add" and value.requires_grad:
             raise NoMatch("the additive mask is trainable (the op has no bias gradient)")
-        try:
-            torch.broadcast_shapes(value.shape, (q.shape[0], q.shape[1], q.shape[2], q.shape[2]))
-        except RuntimeError:
-            raise NoMatch(f"mask of shape {list(value.shape)} does not broadcast to the scores") from None
+        if value.dim() > 4 or not all(_same(d, 1) or _same(d, want) for d, want in zip(reversed(value.shape), reversed(scores))):
+            raise NoMatch(f"mask of shape {list(value.shape)} does not broadcast to the scores {list(scores)}")
     return m
 
 
@@ -343,7 +400,7 @@ def _full_slice(index: Any) -> bool:
 def _same_last2(a: Any, b: Any) -> bool:
     va, vb = (node_value(n) if isinstance(n, torch.fx.Node) else None for n in (a, b))
     ok = isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() >= 2 and vb.dim() >= 2
-    return ok and tuple(va.shape[-2:]) == tuple(vb.shape[-2:])
+    return ok and _same(va.shape[-2], vb.shape[-2]) and _same(va.shape[-1], vb.shape[-1])
 
 
 def _strip_views(node: Any) -> Any:
@@ -377,12 +434,12 @@ def _triangle(node: Any, fns: set[Any], method: str, diagonal: int) -> bool:
     return _arg(node, 1, "diagonal", 0) == diagonal and _ones(_strip_views(node.args[0]))
 
 
-def _square_mask(mask: torch.fx.Node, seq: int) -> bool:
+def _square_mask(mask: torch.fx.Node, seq: int | torch.SymInt) -> bool:
     value = node_value(mask)
-    return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[-2:]) == (seq, seq)
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and _same(value.shape[-2], seq) and _same(value.shape[-1], seq)
 
 
-def is_causal_mask(mask: _Mask, seq: int) -> bool:
+def is_causal_mask(mask: _Mask, seq: int | torch.SymInt) -> bool:
     """Whether ``mask`` is provably the causal mask of ``seq`` x ``seq`` scores, from how the graph builds it."""
     node = mask.tensor
     if not _square_mask(node, seq):
@@ -459,14 +516,17 @@ def _combined_bias(gm: torch.fx.GraphModule, masks: Sequence[_Mask]) -> torch.fx
 def _rewrite(gm: torch.fx.GraphModule, m: AttentionMatch, options: SparseAttentionConfig) -> torch.fx.Node:
     q_val = node_value(m.q)
     _, heads, seq, head_dim = q_val.shape
-    # The op makes (and caches) the layout from this spec: the graph stays free of tensor constants.
-    spec = json.dumps({k: v for k, v in dataclasses.asdict(options).items() if k != "kernel" and v is not None}, sort_keys=True)
-    layout = layout_from_spec(spec, heads, seq)
-    if seq % options.block:
-        log.info(
-            "attention at '%s': sequence length %d is not a multiple of block %d; the op pads it to %d",
-            m.output.name, seq, options.block, layout.shape[-1] * options.block,
-        )  # fmt: skip
+    # The op makes (and caches, per length) the layout from this spec at run time: the graph stays
+    # free of tensor constants, and a symbolic length gets the layout of each real length.
+    spec = layout_spec(options)
+    layout = None
+    if isinstance(seq, int):
+        layout = layout_from_spec(spec, heads, seq)  # checks the config fits this length now, not at the first step
+        if seq % options.block:
+            log.info(
+                "attention at '%s': sequence length %d is not a multiple of block %d; the op pads it to %d",
+                m.output.name, seq, options.block, layout.shape[-1] * options.block,
+            )  # fmt: skip
     graph = gm.graph
     with graph.inserting_before(m.output):
         bias = _combined_bias(gm, m.masks)
@@ -483,9 +543,12 @@ def _rewrite(gm: torch.fx.GraphModule, m: AttentionMatch, options: SparseAttenti
         want = node_value(m.output).dtype
         if out.meta["val"].dtype != want:
             out = _call(gm, torch.Tensor.to, (out, want))
-    visited = layout.bool() & torch.ones(layout.shape[-2:], dtype=torch.bool).tril() if m.causal else layout.bool()
-    ds_meta(op)["sparse_attention"] = {"mode": options.mode, "block": options.block, "matched": m.kind,
-                                       "causal": m.causal, "density": float(visited.float().mean())}  # fmt: skip
+    density = None  # a symbolic length: one layout per real length, built at run time
+    if layout is not None:
+        visited = layout.bool() & torch.ones(layout.shape[-2:], dtype=torch.bool).tril() if m.causal else layout.bool()
+        density = float(visited.float().mean())
+    ds_meta(op)["sparse_attention"] = {"mode": options.mode, "block": options.block, "matched": m.kind, "causal": m.causal,
+                                       "density": density, "dynamic_length": layout is None}  # fmt: skip
     for node in (op, out):
         if m.output.meta.get("stack_trace"):
             node.meta["stack_trace"] = m.output.meta["stack_trace"]
@@ -497,15 +560,30 @@ def _rewrite(gm: torch.fx.GraphModule, m: AttentionMatch, options: SparseAttenti
     return op
 
 
+def layout_spec(options: SparseAttentionConfig) -> str:
+    """The JSON of the keys that shape the layout (the op builds layouts from it)."""
+    return json.dumps({k: v for k, v in dataclasses.asdict(options).items() if k not in _NOT_LAYOUT and v is not None}, sort_keys=True)
+
+
+_NOT_LAYOUT = ("kernel", "strict")
+
+
 @register_pass("sparse_attention", graphs=("pre_autograd",), options=SparseAttentionConfig)
 def sparse_attention_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: SparseAttentionConfig) -> torch.fx.GraphModule:
     """Replace every recognised attention with dscompile::block_sparse_attention under the configured layout."""
     options.validate("sparse_attention")
     matches, skipped = find_attention(gm)
-    for node, why in skipped:
-        log.info("%s: left '%s' unchanged: %s", ctx.graph_name, node.name, why)
     found = ctx.analysis.setdefault("sparse_attention", {"replaced": 0, "dense": 0, "skipped": 0})
     found["skipped"] += len(skipped)
+    if options.mode != "dense":
+        for node, why in skipped:
+            message = f"{ctx.graph_name}: attention at {_site(node)} stays dense: {why}"
+            if options.strict:
+                raise SparseAttentionLeftDenseError(
+                    f"{message} (sparse_attention.strict is set; rewrite that attention in a form listed in "
+                    "passes/sparse_attention.py, or set sparse_attention.strict to false to run it dense with a warning)"
+                )
+            log.warning(message)
     if options.mode == "dense":
         for m in matches:
             ds_meta(m.output)["sparse_attention"] = {"mode": "dense", "matched": m.kind}

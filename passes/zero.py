@@ -198,7 +198,7 @@ def _zero_rule(config: Any) -> list[Any]:
                 stage3_max_live_parameters=zc.stage3_max_live_parameters,
             )
         )
-    items.append(invocation("zero_overlap", overlap_comm=bool(zc.overlap_comm)))
+    items.append(invocation("zero_overlap", overlap_comm=bool(zc.overlap_comm), reduce_bucket_size=int(zc.reduce_bucket_size)))
     if zc.profile_steps > 0:
         items.append(invocation("zero_profile"))
     return items

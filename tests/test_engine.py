@@ -115,7 +115,7 @@ def test_warmup_schedules_follow_deepspeed_formulas():
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    expected = [0.0, 0.025, 0.05, 0.075, 0.1, 0.075, 0.05, 0.025, 0.0]
+    expected = [0.0, 0.0, 0.025, 0.05, 0.075, 0.1, 0.075, 0.05, 0.025]  # DeepSpeed's: step k runs with iteration k - 1's value
     assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(lrs, expected)), lrs
     with pytest.raises(DSCompileConfigError, match="warmup_num_stepz"):
         dscompile.initialize(

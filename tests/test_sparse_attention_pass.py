@@ -170,9 +170,86 @@ def test_unmatched_attention_is_left_and_logged(caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.INFO, logger="dscompile.passes.sparse_attention"):
         out, w = torch.compile(WeightsReturned(), backend=backend)(q, k, v)
     assert "block_sparse_attention" not in graphs[0].code
-    assert "users" in caplog.text
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "stays dense" in warning.message and "users" in warning.message  # why
+    assert "test_sparse_attention_pass.py" in warning.message  # and where: the site's source line
     ref_out, ref_w = WeightsReturned()(q, k, v)
     assert torch.equal(out, ref_out) and torch.equal(w, ref_w)
+
+
+def _root_cause(error: BaseException, kind: type) -> BaseException | None:
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, kind):
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
+    return cause
+
+
+def test_strict_makes_a_dense_site_an_error() -> None:
+    from dscompile.passes.sparse_attention import SparseAttentionLeftDenseError
+
+    q, k, v = (torch.randn(1, 2, SEQ, 16) for _ in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(WeightsReturned(), backend="dscompile", options={"sparse_attention": {**BIGBIRD, "strict": True}})
+    with pytest.raises(Exception) as info:
+        compiled(q, k, v)
+    cause = _root_cause(info.value, SparseAttentionLeftDenseError)
+    assert cause is not None, info.value
+    assert "stays dense" in str(cause) and "strict" in str(cause)
+
+
+class Classifier(nn.Module):
+    """A softmax that is not attention (class probabilities) beside one that is: only attention counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = TinyAttention("sdpa_bool")
+        self.head = nn.Linear(DIM, 5)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.head(self.attn(x, pad)), dim=-1)
+
+
+def test_a_softmax_outside_attention_is_not_a_site(caplog: pytest.LogCaptureFixture) -> None:
+    x, pad = _data()
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="dscompile.passes.sparse_attention"):
+        out = torch.compile(Classifier(), backend="dscompile", options={"sparse_attention": {**BIGBIRD, "strict": True}})(x, pad)
+    assert torch.isfinite(out).all()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "replaced 1 attention site" in caplog.text
+
+
+@pytest.mark.parametrize("variant", ["sdpa_tril", "fill_not_tril", "explicit_causal_pad"])
+def test_lengths_that_change_stay_sparse(variant: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamo makes the sequence length symbolic at the second distinct length; the op then builds each
+    length's layout when it runs. Three lengths (one not a multiple of the block), one dynamic graph,
+    every step equal to eager attention under that length's layout, outputs and gradients, under the
+    default lowering. Dense attention differs: the layout is applied."""
+    torch.manual_seed(0)
+    model = (BuiltMask if variant in CAUSAL_VARIANTS else TinyAttention)(variant)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="dscompile", options={"sparse_attention": {**BIGBIRD, "strict": True}})
+    config = parse_sparse_attention(BIGBIRD).sparsity_config(HEADS)
+    with caplog.at_level(logging.INFO, logger="dscompile.passes.sparse_attention"):
+        for seq in (SEQ, 48, 40):
+            gen = torch.Generator().manual_seed(seq)
+            x = torch.randn(2, seq, DIM, generator=gen)
+            pad = torch.arange(seq)[None, :] < torch.tensor([seq, seq - 5])[:, None]
+            model.zero_grad()
+            out = compiled(x, pad)
+            out.square().sum().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            ref = copy.deepcopy(model)
+            ref.zero_grad()
+            ref.layout_mask = layout_to_mask(config.make_layout(seq), BLOCK, seq)
+            ref_out = ref(x, pad)
+            ref_out.square().sum().backward()
+            torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+            for a, b in zip(grads, ref.parameters(), strict=True):
+                torch.testing.assert_close(a, b.grad, atol=1e-4, rtol=1e-4)
+            ref.layout_mask = None
+            assert not torch.allclose(out, ref(x, pad), atol=1e-3), f"length {seq}: the output is dense attention's"
+    assert caplog.text.count("replaced 1 attention site") == 2  # the first length, then one dynamic graph for the rest
 
 
 ZOO = ["gpt", "gpt_explicit", "llama", "bert"]
