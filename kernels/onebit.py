@@ -79,9 +79,7 @@ def _pick(impl: str | None, like: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "triton" and like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "") != "1":
-        raise RuntimeError(
-            "the Triton 1-bit kernels got CPU tensors without TRITON_INTERPRET=1; set it before importing triton, or use impl='torch' on CPU"
-        )
+        raise RuntimeError("the Triton 1-bit kernels got CPU tensors without TRITON_INTERPRET=1; set it before importing triton, or use impl='torch' on CPU")
     return impl
 
 

@@ -18,9 +18,31 @@ def _params():
 @pytest.mark.parametrize(
     "type_,cls,params",
     [
-        ("OneBitAdam", OneBitAdam, {"lr": 2e-4, "freeze_step": 400, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01, "cuda_aware": False, "comm_backend_name": "nccl"}),
-        ("ZeroOneAdam", ZeroOneAdam, {"lr": 1e-3, "var_freeze_step": 1000, "var_update_scaler": 8, "local_step_scaler": 500, "local_step_clipper": 8, "comm_backend_name": "mpi"}),
-        ("OneBitLamb", OneBitLamb, {"lr": 1e-3, "freeze_step": 10, "max_coeff": 0.3, "min_coeff": 0.01, "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1, "comm_backend_name": "compressed"}),
+        (
+            "OneBitAdam",
+            OneBitAdam,
+            {"lr": 2e-4, "freeze_step": 400, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01, "cuda_aware": False, "comm_backend_name": "nccl"},
+        ),
+        (
+            "ZeroOneAdam",
+            ZeroOneAdam,
+            {"lr": 1e-3, "var_freeze_step": 1000, "var_update_scaler": 8, "local_step_scaler": 500, "local_step_clipper": 8, "comm_backend_name": "mpi"},
+        ),
+        (
+            "OneBitLamb",
+            OneBitLamb,
+            {
+                "lr": 1e-3,
+                "freeze_step": 10,
+                "max_coeff": 0.3,
+                "min_coeff": 0.01,
+                "coeff_beta": 0.9,
+                "factor_max": 4.0,
+                "factor_min": 0.5,
+                "factor_threshold": 0.1,
+                "comm_backend_name": "compressed",
+            },
+        ),
         ("onebit_adam", OneBitAdam, {"comm_backend_name": "hccl"}),
     ],
 )
@@ -31,7 +53,17 @@ def test_config_builds_each_optimizer_with_its_parameters(type_, cls, params):
     assert group["lr"] == params.get("lr", 1e-3)
     if "betas" in params:
         assert group["betas"] == (0.9, 0.98)
-    for key in ("freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "factor_max", "factor_min", "factor_threshold", "coeff_beta"):
+    for key in (
+        "freeze_step",
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+        "factor_max",
+        "factor_min",
+        "factor_threshold",
+        "coeff_beta",
+    ):
         if key in params:
             assert getattr(opt, key) == params[key]
     if "max_coeff" in params:
@@ -40,7 +72,13 @@ def test_config_builds_each_optimizer_with_its_parameters(type_, cls, params):
 
 def test_deepspeed_defaults():
     adam = OneBitAdam(_params())
-    assert (adam.freeze_step, adam.param_groups[0]["betas"], adam.param_groups[0]["eps"], adam.comm_backend_name, adam.cuda_aware) == (100000, (0.9, 0.999), 1e-8, "nccl", False)
+    assert (adam.freeze_step, adam.param_groups[0]["betas"], adam.param_groups[0]["eps"], adam.comm_backend_name, adam.cuda_aware) == (
+        100000,
+        (0.9, 0.999),
+        1e-8,
+        "nccl",
+        False,
+    )
     zero_one = ZeroOneAdam(_params())
     assert (zero_one.var_freeze_step, zero_one.var_update_scaler, zero_one.local_step_scaler, zero_one.local_step_clipper) == (100000, 16, 32678, 16)
     lamb = OneBitLamb(_params())

@@ -121,7 +121,9 @@ def _compressed_rank(rank: int, world: int, name: str, steps: int, freeze: int):
         opt.zero_grad()
         after = opt.communication_stats()
         per_step.append(after["total_bytes"] - before["total_bytes"])
-        purposes.append({k: v - before["bytes_by_purpose"].get(k, 0) for k, v in after["bytes_by_purpose"].items() if v != before["bytes_by_purpose"].get(k, 0)})
+        purposes.append(
+            {k: v - before["bytes_by_purpose"].get(k, 0) for k, v in after["bytes_by_purpose"].items() if v != before["bytes_by_purpose"].get(k, 0)}
+        )
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     return {"bytes": per_step, "purposes": purposes, "params": params}
 
@@ -152,10 +154,24 @@ ZERO_ONE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, lo
 # Worked out by hand from the paper's rules (DeepSpeed's counters): the variance interval doubles
 # after every 2 variance updates, so variance steps are 1, 2, 4, 6, 8, 12; after step 12 the
 # local-step interval is 1 for 3 steps, 2 for 3, then 4 (clipped).
-ZERO_ONE_KINDS = (
-    ["variance", "variance", "onebit", "variance", "onebit", "variance", "onebit", "variance", "onebit", "onebit", "onebit", "variance"]
-    + ["sync", "sync", "sync", "sync", "local", "sync", "local", "sync", "local", "local", "local", "sync", "local", "local", "local", "sync"]
-)
+ZERO_ONE_KINDS = ["variance", "variance", "onebit", "variance", "onebit", "variance", "onebit", "variance", "onebit", "onebit", "onebit", "variance"] + [
+    "sync",
+    "sync",
+    "sync",
+    "sync",
+    "local",
+    "sync",
+    "local",
+    "sync",
+    "local",
+    "local",
+    "local",
+    "sync",
+    "local",
+    "local",
+    "local",
+    "sync",
+]
 
 
 def _zero_one_rank(rank: int, world: int, steps: int):
@@ -171,7 +187,9 @@ def _zero_one_rank(rank: int, world: int, steps: int):
         opt.zero_grad()
         after = opt.communication_stats()
         purposes = {k: v - before["bytes_by_purpose"].get(k, 0) for k, v in after["bytes_by_purpose"].items()}
-        out.append({"needs": needs, "purposes": {k: v for k, v in purposes.items() if v}, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])})
+        out.append(
+            {"needs": needs, "purposes": {k: v for k, v in purposes.items() if v}, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+        )
     return out
 
 
@@ -217,7 +235,10 @@ def _resume_rank(rank: int, world: int, name: str, kwargs: dict, first: int, sec
     resumed.load_state_dict(saved["model"])
     resumed_opt.load_state_dict(saved["optimizer"])
     train(resumed, resumed_opt, range(first + 1, first + second + 1))
-    return {"equal": all(torch.equal(a, b) for a, b in zip(straight, resumed.parameters())), "errors_saved": saved["optimizer"]["onebit"]["errors"][0] is not None}
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(straight, resumed.parameters())),
+        "errors_saved": saved["optimizer"]["onebit"]["errors"][0] is not None,
+    }
 
 
 RESUME_CASES = [

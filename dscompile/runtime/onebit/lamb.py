@@ -82,9 +82,7 @@ class OneBitLamb(CompressedCommOptimizer):
         self.factor_max = float(factor_max)
         self.factor_min = float(factor_min)
         self.factor_threshold = float(factor_threshold)
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction), max_coeff=max_coeff, min_coeff=min_coeff
-        )
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction), max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(
             params,
             defaults,
