@@ -259,6 +259,36 @@ def test_resume_is_bit_exact(case):
         assert rank["errors_saved"] == (first > kwargs.get("freeze_step", 6))
 
 
+# ----------------------------------------------------------------------------- zero-variance mask
+
+
+class _WithDeadParameter(torch.nn.Module):
+    """A linear model plus a parameter whose gradient is exactly zero (like attention's key bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 4)
+        self.dead = torch.nn.Parameter(torch.zeros(40))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).square().mean() + 0.0 * self.dead.sum()
+
+
+def _dead_parameter_rank(rank: int, world: int):
+    moved = {}
+    for mask in (True, False):
+        torch.manual_seed(0)
+        model = _WithDeadParameter()
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, zero_variance_mask=mask)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(8):
+            model(torch.randn(8, 16, generator=gen)).backward()
+            opt.step()
+            opt.zero_grad()
+        moved[mask] = model.dead.detach().abs().max().item()
+    return moved
+
+
 # ----------------------------------------------------------------------------- one spawn per world size
 
 WARMUP_STEPS = 4
@@ -272,6 +302,7 @@ def _suite_rank(rank: int, world: int):
         "compressed": {name: _compressed_rank(rank, world, name, COMPRESSED_STEPS, COMPRESSED_FREEZE) for name in ("onebitadam", "onebitlamb")},
         "zero_one": _zero_one_rank(rank, world, len(ZERO_ONE_KINDS)),
         "resume": [_resume_rank(rank, world, name, kwargs, first, 5) for name, kwargs, first in RESUME_CASES] if world == 2 else None,
+        "dead": _dead_parameter_rank(rank, world) if world == 2 else None,
     }
 
 
@@ -280,19 +311,30 @@ def _suite(world: int):
     return run_distributed_or_fail(_suite_rank, world, timeout=900)
 
 
+def test_zero_variance_mask_keeps_a_parameter_without_gradient_still():
+    """1-bit values cannot be zero: unmasked, a parameter that never gets a gradient receives ±scale
+    divided by eps (DeepSpeed's reason for exp_avg_mask); the mask keeps it where exact Adam keeps it."""
+    for rank in _suite(2):
+        assert rank["dead"][True] == 0.0
+        assert rank["dead"][False] > 1.0
+
+
 # ----------------------------------------------------------------------------- convergence
 
+# bench/onebit.py's settings with the brief's freeze after 20 steps: learning rate warm-up over 20
+# steps then decay to 10%; 0/1 Adam with DeepSpeed's BERT schedule scaled to 200 steps.
 CONVERGENCE = [
-    ("adamw", {"lr": 3e-3}),
-    ("onebitadam", {"lr": 3e-3, "freeze_step": 20}),
-    ("zerooneadam", {"lr": 3e-3, "var_freeze_step": 20, "var_update_scaler": 4, "local_step_scaler": 40, "local_step_clipper": 8}),
-    ("lamb", {"lr": 1e-2}),
-    ("onebitlamb", {"lr": 1e-2, "freeze_step": 20}),
+    ("adamw", {"lr": 1e-2}),
+    ("onebitadam", {"lr": 1e-2, "freeze_step": 20}),
+    ("zerooneadam", {"lr": 1e-2, "var_freeze_step": 20, "var_update_scaler": 1, "local_step_scaler": 20, "local_step_clipper": 16}),
+    ("lamb", {"lr": 3e-2}),
+    ("onebitlamb", {"lr": 3e-2, "freeze_step": 20}),
 ]
 
 
 def _convergence_rank(rank: int, world: int, runs):
-    return [{k: v for k, v in train_rank(rank, world, Workload(name, args, steps=200)).items() if k != "params"} for name, args in runs]
+    works = [Workload(name, args, steps=200, lr_warmup_steps=20, lr_final_fraction=0.1) for name, args in runs]
+    return [{k: v for k, v in train_rank(rank, world, work).items() if k != "params"} for work in works]
 
 
 @pytest.mark.slow
@@ -303,5 +345,5 @@ def test_200_steps_reach_the_uncompressed_loss_within_3_percent():
     for compressed, reference in [("onebitadam", "adamw"), ("zerooneadam", "adamw"), ("onebitlamb", "lamb")]:
         assert final[compressed] <= 1.03 * final[reference], f"{compressed} {final[compressed]:.4f} vs {reference} {final[reference]:.4f}"
     total = {name: sum(ranks[0][i]["bytes"]) for i, (name, _) in enumerate(CONVERGENCE)}
-    assert total["adamw"] / total["onebitadam"] > 5
-    assert total["adamw"] / total["zerooneadam"] > 10
+    assert total["adamw"] / total["onebitadam"] > 7  # 20 fp32 steps + 180 at ~1/31
+    assert total["adamw"] / total["zerooneadam"] > 26

@@ -40,6 +40,10 @@ class Workload:
     d_model: int = 32
     n_layers: int = 2
     seed: int = 0
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up from 0 over these steps (every optimizer gets the same schedule)..."""
+    lr_final_fraction: float = 1.0
+    """...then linear decay to this fraction of the peak at the last step (1.0: constant)."""
     bandwidth_bytes_per_s: float | None = None
     """Emulate a slow network: every collective sleeps ``bytes sent / bandwidth`` before it runs."""
     eval_batches: int = 4
@@ -125,6 +129,14 @@ def build_optimizer(work: Workload, model: torch.nn.Module, stats: CommStats) ->
     return opt
 
 
+def lr_factor(work: Workload, step: int) -> float:
+    """Multiplier of the peak learning rate at ``step`` (0-based)."""
+    if step < work.lr_warmup_steps:
+        return (step + 1) / work.lr_warmup_steps
+    span = max(1, work.steps - 1 - work.lr_warmup_steps)
+    return 1.0 - (1.0 - work.lr_final_fraction) * (step - work.lr_warmup_steps) / span
+
+
 def eval_loss(model: torch.nn.Module, work: Workload) -> float:
     table = bigram_table(work.seed)
     with torch.no_grad():
@@ -138,10 +150,14 @@ def train_rank(rank: int, world: int, work: Workload) -> dict[str, Any]:
     model = build_model(work)
     stats = ThrottledStats(work.bandwidth_bytes_per_s) if work.bandwidth_bytes_per_s else CommStats()
     opt = build_optimizer(work, model, stats)
+    torch_opt = opt.optimizer if isinstance(opt, DataParallelAdamW) else opt
+    peaks = [group["lr"] for group in torch_opt.param_groups]
     table = bigram_table(work.seed)
     losses, step_bytes, seconds = [], [], []
     for step in range(work.steps):
         inputs, targets = bigram_batch(1_000_003 * (step + 1) + rank, work.batch_size, work.seq_len, table)
+        for group, peak in zip(torch_opt.param_groups, peaks):
+            group["lr"] = peak * lr_factor(work, step)
         before = stats.total_bytes
         start = time.perf_counter()
         loss = model(inputs, targets)

@@ -50,6 +50,7 @@ class OneBitAdam(CompressedCommOptimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         block_size: int | None = DEFAULT_BLOCK_SIZE,
         kernel_impl: str | None = None,
+        zero_variance_mask: bool = True,
     ) -> None:
         name = type(self).__name__
         betas = check_hyperparameters(name, lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
@@ -65,6 +66,7 @@ class OneBitAdam(CompressedCommOptimizer):
             bucket_size=bucket_size,
             block_size=block_size,
             kernel_impl=kernel_impl,
+            zero_variance_mask=zero_variance_mask,
             name=name,
         )
 
@@ -96,7 +98,7 @@ class OneBitAdam(CompressedCommOptimizer):
                 momenta.append(exp_avg)
             for p, exp_avg, averaged in zip(bucket.params, momenta, self.compressed_mean(bucket, momenta, "compressed_momentum")):
                 exp_avg.copy_(averaged)
-                self.apply_exp_avg_mask(p, exp_avg)
+                self.mask_compressed(p, exp_avg, self.state[p]["exp_avg_sq"], bias_corrections(self.group_of(p), step, self.freeze_step)[1])
                 self._frozen_variance_step(p, step)
         self.global_step = step
         return loss

@@ -61,7 +61,10 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
 
     ``process_group``: the data-parallel group (default: the world). ``bucket_size``: values per
     bucket. ``block_size``: values per compression scale (None: one per rank's chunk, as
-    DeepSpeed's server side). ``kernel_impl``: ``"torch"``/``"triton"``/None (Triton on CUDA)."""
+    DeepSpeed's server side). ``kernel_impl``: ``"torch"``/``"triton"``/None (Triton on CUDA).
+    ``zero_variance_mask``: see ``mask_compressed``. Subclasses set ``eps_inside_sqrt`` first."""
+
+    eps_inside_sqrt = False
 
     _SCALARS: tuple[str, ...] = ()
     """Names of the subclass's optimizer-level counters, kept in ``state_dict()["onebit"]``."""
@@ -77,6 +80,7 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         bucket_size: int,
         block_size: int | None,
         kernel_impl: str | None,
+        zero_variance_mask: bool,
         name: str,
     ) -> None:
         if comm_backend_name not in DEEPSPEED_TRANSPORTS:
@@ -93,6 +97,7 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         self.cuda_aware = cuda_aware  # DeepSpeed's MPI switch; torch.distributed moves device buffers itself
         self.block_size = block_size
         self.kernel_impl = kernel_impl
+        self.zero_variance_mask = bool(zero_variance_mask)
         self.comm = Collectives(process_group, CommStats())
         self.gradients_averaged_by_caller = False
         self.global_step = 0
@@ -147,12 +152,22 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         flat = compressed_all_reduce(bucket.flatten(tensors), worker_error, server_error, bucket.layout, self.comm, purpose, self.kernel_impl)
         return bucket.split(flat)
 
-    def apply_exp_avg_mask(self, p: torch.nn.Parameter, momentum: torch.Tensor) -> None:
-        """DeepSpeed's per-group ``exp_avg_mask``: zero the momentum where a parameter never learns,
-        since 1-bit values cannot represent an exact zero."""
+    def mask_compressed(self, p: torch.nn.Parameter, values: torch.Tensor, exp_avg_sq: torch.Tensor, bias_correction2_sqrt: float) -> None:
+        """Zero, in a decompressed momentum (or gradient), what 1-bit values cannot represent: an exact zero.
+
+        - DeepSpeed's per-group ``exp_avg_mask`` (positions that never learn), applied as given;
+        - with ``zero_variance_mask`` (default on, a dscompile addition), every element whose variance
+          is below the ``eps`` term of its denominator, i.e. one that has had no gradient to speak of
+          (a key bias in attention, whose gradient is exactly zero). Sent 1-bit it still receives
+          ``±scale`` and, divided by ``eps``, would grow without bound; exact Adam moves it by less
+          than ``lr`` per step. The variance is the same on every rank, so is the mask."""
         mask = self.group_of(p).get("exp_avg_mask")
         if mask is not None:
-            momentum.mul_(mask.to(momentum.device))
+            values.mul_(mask.to(values.device))
+        if self.zero_variance_mask:
+            eps = self.group_of(p)["eps"]
+            v_hat = exp_avg_sq / bias_correction2_sqrt**2
+            values.masked_fill_(v_hat <= (eps if self.eps_inside_sqrt else eps * eps), 0.0)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

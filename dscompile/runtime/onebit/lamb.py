@@ -65,6 +65,7 @@ class OneBitLamb(CompressedCommOptimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         block_size: int | None = DEFAULT_BLOCK_SIZE,
         kernel_impl: str | None = None,
+        zero_variance_mask: bool = True,
     ) -> None:
         name = type(self).__name__
         betas = check_hyperparameters(name, lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
@@ -92,6 +93,7 @@ class OneBitLamb(CompressedCommOptimizer):
             bucket_size=bucket_size,
             block_size=block_size,
             kernel_impl=kernel_impl,
+            zero_variance_mask=zero_variance_mask,
             name=name,
         )
 
@@ -168,11 +170,11 @@ class OneBitLamb(CompressedCommOptimizer):
             group = self.group_of(p)
             state = self.state[p]
             beta1, beta2 = group["betas"]
+            bc1, bc2_frozen = bias_corrections(group, step, self.freeze_step)
             exp_avg.copy_(mean).div_(state["scaling_coeff"])
-            self.apply_exp_avg_mask(p, exp_avg)
+            self.mask_compressed(p, exp_avg, state["exp_avg_sq"], bc2_frozen)
             grad = (exp_avg - beta1 * last) / (1 - beta1)
             state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bc1, bc2_frozen = bias_corrections(group, step, self.freeze_step)
             _, bc2_fresh = bias_corrections(group, step, step)
             denom = adam_denominator(state["exp_avg_sq"], bc2_frozen, group["eps"], self.eps_inside_sqrt)
             denom_fresh = adam_denominator(state["exp_avg_sq_fresh"], bc2_fresh, group["eps"], self.eps_inside_sqrt)

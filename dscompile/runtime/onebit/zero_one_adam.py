@@ -66,6 +66,7 @@ class ZeroOneAdam(CompressedCommOptimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         block_size: int | None = DEFAULT_BLOCK_SIZE,
         kernel_impl: str | None = None,
+        zero_variance_mask: bool = True,
     ) -> None:
         name = type(self).__name__
         betas = check_hyperparameters(name, lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
@@ -84,6 +85,7 @@ class ZeroOneAdam(CompressedCommOptimizer):
             bucket_size=bucket_size,
             block_size=block_size,
             kernel_impl=kernel_impl,
+            zero_variance_mask=zero_variance_mask,
             name=name,
         )
         self.var_interval = 1
@@ -138,7 +140,7 @@ class ZeroOneAdam(CompressedCommOptimizer):
                 if group["weight_decay"] != 0:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 if not variance_step:
-                    self.apply_exp_avg_mask(p, grad)
+                    self.mask_compressed(p, grad, state["exp_avg_sq"], bias_corrections(group, step, self.var_updates)[1])
                 state["exp_avg"].lerp_(grad, 1 - beta1)
                 if variance_step:
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -187,8 +189,8 @@ class ZeroOneAdam(CompressedCommOptimizer):
                 group = self.group_of(p)
                 state = self.state[p]
                 gi = group_index[id(group)]
-                self.apply_exp_avg_mask(p, averaged)
                 _, bc2_sqrt = bias_corrections(group, step, self.var_updates)
+                self.mask_compressed(p, averaged, state["exp_avg_sq"], bc2_sqrt)
                 p.copy_(state["anchor"])
                 if group["weight_decay"] != 0:
                     p.mul_(self.decays[gi])
