@@ -86,7 +86,10 @@ def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
 def print_table(world: int, rows: dict[str, Any], bandwidth: float) -> list[str]:
     base = rows["adamw"]["total_bytes"]
     print(f"\nworld {world} (gloo, CPU; step times noisy: the machine is shared)")
-    header = f"{'optimizer':12s} {'eval loss':>9s} {'vs ref':>7s} {'MB sent':>8s} {'x fewer':>8s} {'B/step warm':>11s} {'B/step 1bit':>11s} {'local steps':>11s} {'ms/step':>8s} {'ms/step @cap':>12s}"
+    header = (
+        f"{'optimizer':12s} {'eval loss':>9s} {'vs ref':>7s} {'MB sent':>8s} {'x fewer':>8s} {'B/step warm':>11s} "
+        f"{'B/step 1bit':>11s} {'local steps':>11s} {'ms/step':>8s} {'ms/step @cap':>12s}"
+    )
     print(header)
     verdicts = []
     for name, row in rows.items():
@@ -98,7 +101,8 @@ def print_table(world: int, rows: dict[str, Any], bandwidth: float) -> list[str]
         ratio = base / row["total_bytes"]
         print(
             f"{name:12s} {row['eval_loss']:9.4f} {rel:>7s} {row['total_bytes'] / 1e6:8.2f} {ratio:8.1f} {warm:11d} "
-            f"{(statistics.median(compressed) if compressed else 0):11.0f} {per_step.count(0):11d} {row['step_ms_free_mean']:8.1f} {row['step_ms_capped']:12.1f}"
+            f"{(statistics.median(compressed) if compressed else 0):11.0f} {per_step.count(0):11d} "
+            f"{row['step_ms_free_mean']:8.1f} {row['step_ms_capped']:12.1f}"
         )
         if ref:
             loss_ok = row["eval_loss"] <= 1.03 * rows[ref]["eval_loss"]
