@@ -47,11 +47,18 @@ def optimizers(steps: int) -> dict[str, dict[str, Any]]:
     warmup = max(1, steps // 10)
     freeze = max(1, int(0.15 * steps))
     return {
-        "adamw": {"lr": 1e-2},
-        "onebitadam": {"lr": 1e-2, "freeze_step": freeze},
-        "zerooneadam": {"lr": 1e-2, "var_freeze_step": warmup, "var_update_scaler": 1, "local_step_scaler": warmup, "local_step_clipper": 16},
-        "lamb": {"lr": 3e-2},
-        "onebitlamb": {"lr": 3e-2, "freeze_step": freeze},
+        "adamw": {"lr": 1e-2, "weight_decay": 0.01},
+        "onebitadam": {"lr": 1e-2, "weight_decay": 0.01, "freeze_step": freeze},
+        "zerooneadam": {
+            "lr": 1e-2,
+            "weight_decay": 0.01,
+            "var_freeze_step": warmup,
+            "var_update_scaler": 1,
+            "local_step_scaler": warmup,
+            "local_step_clipper": 16,
+        },
+        "lamb": {"lr": 3e-2, "weight_decay": 0.01},
+        "onebitlamb": {"lr": 3e-2, "weight_decay": 0.01, "freeze_step": freeze},
     }
 
 

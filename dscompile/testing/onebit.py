@@ -90,6 +90,7 @@ class DataParallelAdamW:
 
     def __init__(self, params: list[torch.nn.Parameter], stats: CommStats, **kwargs: Any) -> None:
         self.params = [p for p in params if p.requires_grad]
+        kwargs.setdefault("weight_decay", 0.0)  # torch's AdamW defaults to 0.01, the 1-bit optimizers (as DeepSpeed's) to 0
         self.optimizer = torch.optim.AdamW(self.params, foreach=False, **kwargs)
         self.comm = Collectives(None, stats)
 
