@@ -110,6 +110,9 @@ def test_unknown_parameters_are_refused_by_name(type_, params, key):
         ({"freeze_step": 0}, "freeze_step must be an integer >= 1"),
         ({"cuda_aware": "yes"}, "cuda_aware must be true or false"),
         ({"block_size": 12}, "multiple of 8"),
+        ({"kernel_impl": "cuda"}, "kernel_impl must be"),
+        ({"zero_variance_mask": 1}, "zero_variance_mask must be true or false"),
+        ({"bucket_size": 0}, "bucket_size must be a positive"),
     ],
 )
 def test_bad_values_say_what_to_fix(params, match):

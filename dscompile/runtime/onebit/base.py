@@ -90,6 +90,10 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
             )
         if not isinstance(cuda_aware, bool):
             raise ValueError(f"{name}: cuda_aware must be true or false, got {cuda_aware!r}")
+        if kernel_impl not in (None, "torch", "triton"):
+            raise ValueError(f"{name}: kernel_impl must be 'torch', 'triton' or null (Triton on CUDA, torch elsewhere), got {kernel_impl!r}")
+        if not isinstance(zero_variance_mask, bool):
+            raise ValueError(f"{name}: zero_variance_mask must be true or false, got {zero_variance_mask!r}")
         if not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"{name}: bucket_size must be a positive number of values, got {bucket_size!r}")
         super().__init__(params, defaults)
@@ -158,7 +162,7 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         - DeepSpeed's per-group ``exp_avg_mask`` (positions that never learn), applied as given;
         - with ``zero_variance_mask`` (default on, a dscompile addition), every element whose variance
           is below the ``eps`` term of its denominator, i.e. one that has had no gradient to speak of
-          (a key bias in attention, whose gradient is exactly zero). Sent 1-bit it still receives
+          (a key bias in attention, whose gradient is zero up to rounding). Sent 1-bit it still receives
           ``±scale`` and, divided by ``eps``, would grow without bound; exact Adam moves it by less
           than ``lr`` per step. The variance is the same on every rank, so is the mask."""
         mask = self.group_of(p).get("exp_avg_mask")
