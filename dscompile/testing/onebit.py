@@ -79,9 +79,11 @@ class ThrottledStats(CommStats):
     def __init__(self, bytes_per_s: float) -> None:
         super().__init__()
         self.bytes_per_s = bytes_per_s
+        self.slept = 0.0
 
     def record(self, op: str, purpose: str, sent: int) -> None:
         super().record(op, purpose, sent)
+        self.slept += sent / self.bytes_per_s
         time.sleep(sent / self.bytes_per_s)
 
 

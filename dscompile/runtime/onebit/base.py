@@ -10,6 +10,17 @@ rank's own (un-averaged) gradients. An engine that averages gradients itself whe
 
 Every trainable parameter is stepped every step; one without a gradient counts as a zero
 gradient, so that all ranks issue the same collectives and replicas stay identical.
+
+What an engine must do with one (not wired into ``DSCompileEngine`` yet):
+
+- build it with ``process_group=`` its data-parallel group, and either leave all communication
+  to it (never average gradients itself) or call ``set_gradient_averaging(by_caller=True)`` and,
+  at each accumulation boundary, average gradients in fp32 exactly when
+  ``needs_averaged_gradients()`` is true (otherwise the optimizer needs each rank's own);
+- clip and check fp16 overflow on what the optimizer will use: local gradients are not agreed
+  across ranks, so an overflow flag must be (as the engine does for ZeRO);
+- save and load ``state_dict()`` per rank (the errors differ), with the same world size;
+- read ``communication_stats()`` for its byte counters.
 """
 
 from __future__ import annotations
