@@ -120,6 +120,12 @@ def test_bad_values_say_what_to_fix(params, match):
         build_optimizer(OptimizerConfig("OneBitAdam", params), _params())
 
 
+def test_groups_cannot_be_added_later():
+    opt = OneBitAdam(torch.nn.Linear(4, 4).parameters())
+    with pytest.raises(ValueError, match="cannot be added after construction"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
 def test_fp16_parameters_are_refused():
     with pytest.raises(ValueError, match="fp32 parameters"):
         OneBitAdam(torch.nn.Linear(4, 4).half().parameters())

@@ -148,6 +148,35 @@ def test_momentum_exchange_after_freeze_sends_16x_fewer_bytes(name, world):
             assert torch.equal(other["params"][step], ranks[0]["params"][step])
 
 
+def _by_caller_rank(rank: int, world: int, steps: int, freeze: int):
+    """The same run twice: the optimizer averaging gradients itself, and a caller (an engine) doing it."""
+    torch.manual_seed(0)
+    model = build_model(WORK)
+    other = copy.deepcopy(model)
+    opt = OneBitAdam(model.parameters(), lr=3e-3, freeze_step=freeze)
+    by_caller = OneBitAdam(other.parameters(), lr=3e-3, freeze_step=freeze)
+    by_caller.set_gradient_averaging(by_caller=True)
+    same = []
+    for step in range(1, steps + 1):
+        _backward(model, step, rank)
+        _backward(other, step, rank)
+        if by_caller.needs_averaged_gradients():
+            _fp32_average(other, world)
+        opt.step()
+        by_caller.step()
+        opt.zero_grad()
+        by_caller.zero_grad()
+        same.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters())))
+    return {"same": same, "purposes": set(by_caller.communication_stats()["bytes_by_purpose"])}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_engine_can_average_the_warmup_gradients(world):
+    for rank in _suite(world):
+        assert rank["by_caller"]["same"] == [True] * COMPRESSED_STEPS
+        assert rank["by_caller"]["purposes"] == {"compressed_momentum"}
+
+
 # ----------------------------------------------------------------------------- 0/1 Adam's schedule
 
 ZERO_ONE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
@@ -301,6 +330,7 @@ def _suite_rank(rank: int, world: int):
         "warmup": {name: _warmup_rank(rank, world, name, WARMUP_STEPS) for name in CLASSES},
         "compressed": {name: _compressed_rank(rank, world, name, COMPRESSED_STEPS, COMPRESSED_FREEZE) for name in ("onebitadam", "onebitlamb")},
         "zero_one": _zero_one_rank(rank, world, len(ZERO_ONE_KINDS)),
+        "by_caller": _by_caller_rank(rank, world, COMPRESSED_STEPS, COMPRESSED_FREEZE),
         "resume": [_resume_rank(rank, world, name, kwargs, first, 5) for name, kwargs, first in RESUME_CASES] if world == 2 else None,
         "dead": _dead_parameter_rank(rank, world) if world == 2 else None,
     }

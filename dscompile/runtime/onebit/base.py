@@ -130,6 +130,14 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         self._check_same_buckets_on_every_rank(name)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "buckets"):
+            raise ValueError(
+                f"{type(self).__name__}: parameter groups cannot be added after construction (every rank's buckets are fixed then); "
+                "pass all groups to the constructor"
+            )
+        super().add_param_group(param_group)
+
     # -- what an engine calls -----------------------------------------------------------------
     def needs_averaged_gradients(self) -> bool:
         """Whether the coming ``step()`` uses gradients averaged in full precision across ranks."""
