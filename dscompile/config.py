@@ -351,6 +351,7 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         raise DSCompileConfigError("steps_per_print", f"must be positive, got {config.steps_per_print}")
     if config.prescale_gradients and config.gradient_predivide_factor != 1.0:
         raise DSCompileConfigError("gradient_predivide_factor", "cannot be combined with prescale_gradients", "set only one of them")
+    _check_compressed_comm_optimizer(config)
     if config.pipeline is not None:
         from dscompile.errors import DSCompilePipelineError
         from dscompile.pipeline import parse_pipeline
@@ -360,3 +361,25 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         except DSCompilePipelineError as exc:
             raise DSCompileConfigError("pipeline", str(exc)) from None
     return config
+
+
+_COMPRESSED_COMM_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+
+
+def _check_compressed_comm_optimizer(config: DSConfig) -> None:
+    """1-bit optimizers average over every rank of the world: refuse layouts where ranks hold different tensors."""
+    if config.optimizer is None or config.optimizer.type.lower().replace("_", "") not in _COMPRESSED_COMM_OPTIMIZERS:
+        return
+    zero = config.sections.get("zero_optimization")
+    if zero is not None and getattr(zero, "stage", 0) > 0:
+        raise DSCompileConfigError(
+            "zero_optimization.stage",
+            f"optimizer {config.optimizer.type} does not compose with ZeRO yet (its compressed all-reduce would mix different ranks' shards)",
+            "use stage 0 with it, or optimizer type Adam/AdamW with ZeRO",
+        )
+    if "pipeline_parallel" in config.sections:
+        raise DSCompileConfigError(
+            "pipeline",
+            f"optimizer {config.optimizer.type} does not support pipeline parallelism yet (it would average across stages)",
+            "train without a pipeline section, or use Adam/AdamW",
+        )

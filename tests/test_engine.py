@@ -76,7 +76,7 @@ def test_deepspeed_adam_is_decoupled_by_default_and_plain_when_asked():
     [
         ({"type": "AdamW", "params": {"lrr": 0.1}}, DSCompileConfigError, "optimizer.params.lrr"),
         ({"type": "Adamm"}, DSCompileConfigError, "optimizer.type"),
-        ({"type": "OneBitAdam"}, DSCompileNotSupportedError, "optimizer.type"),
+        ({"type": "Lamb"}, DSCompileNotSupportedError, "optimizer.type"),
     ],
 )
 def test_bad_optimizer_sections(optimizer, error, key):

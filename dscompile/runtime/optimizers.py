@@ -2,12 +2,14 @@
 
 DeepSpeed's ``Adam`` decouples weight decay unless ``adam_w_mode`` is false, so ``Adam`` maps to
 ``torch.optim.AdamW`` by default; ``torch_adam`` and ``fused`` only choose an implementation there
-and are accepted for compatibility.
+and are accepted for compatibility. ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` are
+``dscompile.runtime.onebit``'s compressed-communication optimizers.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,6 +17,9 @@ import torch
 
 from dscompile.config import OptimizerConfig
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
+from dscompile.runtime.onebit import OPTIMIZERS as ONEBIT_OPTIMIZERS
+
+log = logging.getLogger("dscompile.runtime.optimizers")
 
 _TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -24,9 +29,6 @@ _TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 _UNBUILT = {
     "lamb": "the LAMB optimizer",
-    "onebitadam": "1-bit Adam",
-    "onebitlamb": "1-bit LAMB",
-    "zerooneadam": "0/1 Adam",
     "muadam": "MuP optimizers",
     "muadamw": "MuP optimizers",
     "musgd": "MuP optimizers",
@@ -49,8 +51,15 @@ def build_optimizer(section: OptimizerConfig, params: Iterable[Any]) -> torch.op
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     elif kind in _TORCH_OPTIMIZERS:
         cls = _TORCH_OPTIMIZERS[kind]
+    elif kind in ONEBIT_OPTIMIZERS:
+        cls = ONEBIT_OPTIMIZERS[kind]
+        log.warning(
+            "%s: the engine does not yet hand its gradient communication to the optimizer, so it still all-reduces "
+            "gradients in fp32 every step (correct, but no bytes saved); in a plain loop the optimizer does all of it",
+            section.type,
+        )
     else:
-        known = ["Adam", "AdamW", "SGD", "Adagrad", "RMSprop"]
+        known = ["Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
         raise DSCompileConfigError("optimizer.type", f"unknown optimizer {section.type!r}", suggest(section.type, known) or f"use one of {known}")
     for flag in _IMPLEMENTATION_FLAGS & set(kwargs):
         if flag in ("foreach", "fused") and flag in inspect.signature(cls).parameters:

@@ -1,0 +1,186 @@
+"""Compressed all-reduce with error feedback over torch.distributed, and byte counters.
+
+The 1-bit algorithm of DeepSpeed's compressed backends (1-bit Adam, arXiv:2102.02888), on any
+torch.distributed backend (gloo on CPU, NCCL on GPU) instead of cupy/MPI:
+
+1. each rank adds its *worker error* to its flat buffer (padded to ``world x chunk``), compresses
+   it to signs (8 per byte) and one scale ``||x|| / sqrt(n)`` per block, and keeps what the
+   compression lost as its new worker error;
+2. one ``all_to_all`` sends chunk ``r`` (its signs and scales) to rank ``r``;
+3. rank ``r`` averages the ``world`` decompressed copies of its chunk, adds its *server error*,
+   compresses again (new server error);
+4. one ``all_gather`` of the compressed chunks: every rank decompresses the same full result.
+
+Both errors are per rank: checkpoints must keep each rank's own. A block is ``block_size``
+values, or a whole chunk when ``block_size`` is None (DeepSpeed's server side: one scale per
+rank's chunk). Every rank ends with bitwise the same result.
+
+Bytes are counted as what this rank puts on the wire under the usual bandwidth-optimal
+algorithms, from the tensors handed to each collective: all-reduce (ring) ``2 (w-1)/w x bytes``,
+all-to-all ``(w-1)/w x bytes`` (its own chunk stays), all-gather ``(w-1) x`` its input bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dscompile.kernels import onebit as onebit_kernels
+
+
+def wire_bytes(op: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for collective ``op`` over ``nbytes`` (its input) among ``world`` ranks."""
+    if world <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (world - 1) * nbytes // world
+    if op == "all_to_all":
+        return (world - 1) * nbytes // world
+    if op == "all_gather":
+        return (world - 1) * nbytes
+    raise ValueError(f"unknown collective {op!r}")
+
+
+class CommStats:
+    """Counts the collectives a rank issued and the bytes it sent, per collective and per purpose.
+
+    ``record`` is called once per collective, before it runs; a subclass may also act there
+    (``bench/onebit.py`` sleeps in proportion to the bytes to emulate a slow network)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def record(self, op: str, purpose: str, sent: int) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += sent
+        self.bytes[f"purpose:{purpose}"] += sent
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(v for k, v in self.bytes.items() if not k.startswith("purpose:"))
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"total_bytes", "calls": {op: n}, "bytes": {op: n}, "bytes_by_purpose": {purpose: n}}``."""
+        return {
+            "total_bytes": self.total_bytes,
+            "calls": dict(self.calls),
+            "bytes": {k: v for k, v in self.bytes.items() if not k.startswith("purpose:")},
+            "bytes_by_purpose": {k.split(":", 1)[1]: v for k, v in self.bytes.items() if k.startswith("purpose:")},
+        }
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+class Collectives:
+    """The blocking torch.distributed collectives the 1-bit runtime issues, each counted in ``stats``.
+
+    Without an initialised process group it is a world of one, where every exchange is the identity."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        initialised = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if initialised else 1
+        self.rank = dist.get_rank(group) if initialised else 0
+
+    def all_reduce_sum_(self, tensor: torch.Tensor, purpose: str) -> None:
+        self.stats.record("all_reduce", purpose, wire_bytes("all_reduce", _nbytes(tensor), self.world))
+        dist.all_reduce(tensor, group=self.group)
+
+    def all_to_all_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str) -> None:
+        self.stats.record("all_to_all", purpose, wire_bytes("all_to_all", _nbytes(inp), self.world))
+        dist.all_to_all_single(out, inp, group=self.group)
+
+    def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str) -> None:
+        self.stats.record("all_gather", purpose, wire_bytes("all_gather", _nbytes(inp), self.world))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(out, inp, group=self.group)
+
+
+@dataclass(frozen=True)
+class CompressedLayout:
+    """How a flat buffer of ``numel`` values is padded and cut for the compressed all-reduce.
+
+    ``padded = world x chunk``; rank ``r`` serves values ``[r x chunk, (r+1) x chunk)``; every
+    ``block`` values (a multiple of 8 that divides ``chunk``) share one scale."""
+
+    numel: int
+    world: int
+    chunk: int
+    block: int
+
+    @classmethod
+    def plan(cls, numel: int, world: int, block_size: int | None = None) -> CompressedLayout:
+        if numel < 1 or world < 1:
+            raise ValueError(f"a compressed buffer needs numel >= 1 and world >= 1, got {numel} and {world}")
+        if block_size is None:
+            chunk = math.ceil(numel / (8 * world)) * 8
+            return cls(numel, world, chunk, chunk)
+        if block_size < 8 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8 (signs travel 8 to a byte), got {block_size}")
+        chunk = math.ceil(numel / (world * block_size)) * block_size
+        return cls(numel, world, chunk, block_size)
+
+    @property
+    def padded(self) -> int:
+        return self.world * self.chunk
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk // self.block
+
+    def new_errors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero ``(worker_error [padded], server_error [chunk])``."""
+        return torch.zeros(self.padded, device=device), torch.zeros(self.chunk, device=device)
+
+
+def compressed_all_reduce(
+    flat: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    layout: CompressedLayout,
+    comm: Collectives,
+    purpose: str = "compressed",
+    impl: str | None = None,
+) -> torch.Tensor:
+    """The mean of ``flat`` (fp32, ``layout.numel`` values) over the ranks of ``comm``, sent 1-bit.
+
+    Updates ``worker_error`` and ``server_error`` in place and returns a new tensor, equal on every
+    rank. A world of one returns ``flat`` itself: there is nothing to send, so nothing is lost."""
+    if comm.world != layout.world or flat.numel() != layout.numel:
+        raise ValueError(f"layout {layout} does not match a buffer of {flat.numel()} values on {comm.world} ranks")
+    if comm.world == 1:
+        return flat
+    w, k, block = layout.world, layout.blocks_per_chunk, layout.block
+    chunk_bytes = layout.chunk // 8
+    padded = F.pad(flat.reshape(-1).float(), (0, layout.padded - layout.numel))
+    packed, scales = onebit_kernels.compress(padded.view(w * k, block), worker_error.view(w * k, block), impl)
+    send = torch.cat([packed.view(w, chunk_bytes), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
+    recv = torch.empty_like(send)
+    comm.all_to_all_(recv, send, purpose)
+    mine = onebit_kernels.decompress_mean(recv[:, :chunk_bytes].reshape(w, k, block // 8), _floats(recv[:, chunk_bytes:], (w, k)), impl)
+    s_packed, s_scales = onebit_kernels.compress(mine, server_error.view(k, block), impl)
+    message = torch.cat([s_packed.view(-1), s_scales.view(torch.uint8)])
+    gathered = torch.empty(w * message.numel(), dtype=torch.uint8, device=flat.device)
+    comm.all_gather_(gathered, message, purpose)
+    rows = gathered.view(w, -1)
+    out = onebit_kernels.decompress(rows[:, :chunk_bytes].reshape(w * k, block // 8), _floats(rows[:, chunk_bytes:], (w * k,)), impl)
+    return out.view(-1)[: layout.numel]
+
+
+def _floats(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 values sent as bytes (a slice of a uint8 message) back to fp32."""
+    return raw.contiguous().view(torch.float32).view(shape)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
