@@ -53,6 +53,20 @@ class CompressionScheduler:
         for module, state in self.layers:
             state.accumulate_snip(module.weight, max(self.global_step, 0))
 
+    def final_step(self) -> int:
+        """The first step at which every technique is on and every schedule has finished."""
+        last = 0
+        for _module, state in self.layers:
+            wq = state.weight_quant
+            if wq is not None:
+                drops = 0 if wq.in_forward else wq.start_bits - wq.target_bits
+                last = max(last, wq.offset if drops == 0 else wq.offset + wq.period * 2 ** (drops - 1) - 1)  # the last drop's step
+            if state.act_quant is not None:
+                last = max(last, state.act_quant.offset)
+            for spec in state.masks.values():
+                last = max(last, spec.offset_end)
+        return last
+
     def bits(self) -> dict[str, int | None]:
         """Each weight-quantized layer's current bit width (None while its quantization is off)."""
         result: dict[str, int | None] = {}
