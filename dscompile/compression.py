@@ -77,6 +77,10 @@ def init_compression(model: nn.Module, deepspeed_config: Any, teacher_model: nn.
     Layer reduction first (the chosen teacher layers' weights copied in; without ``teacher_model``
     the model's own), then every layer an enabled technique matches gets its compression state,
     and the schedule is set for step 0 (``get_compression_scheduler(model)`` advances it).
+    Compression then happens in the graphs compiled with the same config
+    (``torch.compile(model, backend="dscompile", options=config)``, whose ``compression_training``
+    section puts the ``quantize``/``prune`` passes in the pipeline); run eagerly, or compiled
+    without that section, the prepared model computes in full precision.
     """
     _no_mpu(mpu)
     section = _section(deepspeed_config)

@@ -15,6 +15,23 @@ each technique at its ``schedule_offset``, sets the scheduled bit width (and ``f
 ratio), and takes the l1 / snip_momentum mask decisions from the current weights. All of it is
 tensors the compiled graphs read, so no step recompiles. Skipped steps (fp16 overflow) are not
 counted, as in DeepSpeed: pass the number of applied optimizer steps.
+
+What the engine core has to do once it hosts this (not wired yet):
+- at init, when ``compression_training`` enables a technique: require a model ``init_compression``
+  prepared (``dscompile.compression.get_compression_scheduler(model)`` raises otherwise), or call
+  ``init_compression(model, config)`` itself before it builds the optimizer (learned mask scores
+  are parameters);
+- before each forward: ``scheduler.step(engine.global_steps)`` (idempotent within a step, so
+  calling it per micro-batch is fine);
+- at the accumulation boundary, after backward and before ``optimizer.step()``:
+  ``scheduler.after_backward()`` (snip_momentum; with ZeRO-2/3 on the full gradients);
+- checkpoints: ``scheduler.state_dict()`` / ``load_state_dict()`` beside the model's (the layers'
+  masks, bits and scores are in the model's ``state_dict``);
+- ZeRO-2/3: give every shard parameter its full parameter's ``ds_compression`` and
+  ``ds_compression_prepared`` attributes (the passes find the state from the graph's parameter
+  inputs), compute l1 masks from gathered weights (``set_step`` reads ``module.weight``), and keep
+  the ``ds_compression`` submodules' learned scores unsharded (the passes read the module's own
+  ``nn.Parameter``).
 """
 
 from __future__ import annotations
