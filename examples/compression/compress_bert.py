@@ -84,7 +84,7 @@ def train(model: nn.Module, steps: int, lr: float, config: dict | None = None, t
         optimizer.step()
         optimizer.zero_grad()
         if step % 50 == 0:
-            print(f"  step {step}: loss {float(loss):.4f}", flush=True)
+            print(f"  step {step}: loss {float(loss.detach()):.4f}", flush=True)
     model.eval()
 
 
