@@ -14,6 +14,13 @@ matched by two groups of one technique is an error, and so is an entry matching 
 with the j-th module matched by its ``modules`` entry: the layers whose inputs shrink when
 ``redundancy_clean`` removes the pruned outputs.
 
+``attach_compression`` (``init_compression``) works on modules, the passes on graphs: the state a
+technique needs (bit width, switches, masks, learned mask scores, calibrated ranges) must exist
+before the optimizer is built (scores are parameters it trains) and live in the model's
+``state_dict`` (checkpoints), so each compressed layer gets a ``CompressionState`` child; the
+layers keep their class and forward, and the ``quantize``/``prune`` passes decide where in the
+captured graph the state applies.
+
 What differs from DeepSpeed, on purpose:
 - ``quantize_weight_in_forward: false`` (DeepSpeed's MoQ, which rewrites the weights in place after
   each optimizer step) quantizes in the forward graph too, with the same bit schedule, so the fp32
