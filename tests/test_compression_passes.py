@@ -364,3 +364,47 @@ def test_prepared_model_is_unchanged_outside_dscompile_graphs() -> None:
         torch.testing.assert_close(model(IDS), ref_model(IDS))
     with pytest.raises(DSCompileConfigError, match="already prepared"):
         init_compression(model, cfg)
+
+
+ZERO_CFG = section(
+    weight_quantization=weight_quant(["fc", "conv"], 4, 4, quantize_groups=4),
+    activation_quantization={
+        "shared_parameters": {"enabled": True, "schedule_offset": 0},
+        "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["fc2"]}},
+    },
+)
+
+
+def zero3_rank(rank: int, world: int) -> dict[str, Any]:
+    """ZeRO-3 on ``world`` ranks: the compressed model's loss and this rank's shard gradients."""
+    from dscompile.runtime.compression import state_of
+    from dscompile.runtime.zero_shard import shard_model
+
+    model = make()
+    init_compression(model, ZERO_CFG)
+    sharded = shard_model(model, stage=3)
+    for full, shard in zip(sharded.partition.full_params, sharded.partition.shards):
+        if state_of(full) is not None:  # what the engine's wiring will do for its shards
+            shard.ds_compression = state_of(full)
+    loss = compile_(sharded, ZERO_CFG, zero_optimization={"stage": 3})(IDS).square().mean()
+    loss.backward()
+    names = [layout.name for layout in sharded.partition.layouts]
+    return {"loss": loss.detach(), "grads": {n: s.grad.clone() for n, s in zip(names, sharded.partition.shards)}}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_quantization_under_zero3_on_two_ranks_matches_one_process() -> None:
+    from dscompile.runtime.zero_shard import shard_of
+    from dscompile.testing.distributed import run_distributed_or_fail
+
+    results = run_distributed_or_fail(zero3_rank, 2, timeout=600)
+    reference = make()
+    init_compression(reference, ZERO_CFG)
+    loss = compile_(reference, ZERO_CFG)(IDS).square().mean()
+    loss.backward()
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        for name, param in reference.named_parameters():
+            if name in result["grads"]:
+                torch.testing.assert_close(result["grads"][name], shard_of(param.grad, rank, 2), rtol=1e-4, atol=1e-6, msg=name)
