@@ -2,9 +2,9 @@
 
     python bench/compression.py [--teacher-steps 300] [--steps 120] [--models bert,gpt] [--no-torchao]
 
-For a BERT-style classifier (the zoo's BERT on ``MarkerTask``: accuracy) and a GPT-style LM (the
-zoo's GPT on ``MarkovTask``: eval loss, with the chain's entropy as the floor), an fp32 teacher is
-trained, then each row compresses a copy of it:
+For a BERT-style classifier (the zoo's BERT on ``MarkerTask``: class accuracy) and a GPT-style LM
+(the zoo's GPT on ``MarkovTask``: next-token accuracy, with the chain's entropy as the floor of the
+eval loss), an fp32 teacher is trained, then each row compresses a copy of it:
 
 - ``dscompile PTQ int8 / int4``: ``init_compression`` + ``redundancy_clean`` with no training;
 - ``dscompile QAT int8 / int4``: ``--steps`` of quantization-aware training (int4 through DeepSpeed's
@@ -18,7 +18,7 @@ trained, then each row compresses a copy of it:
   needs CUDA or the ``mslk`` package; on CPU its int4 values are stored unpacked in int8).
   Skipped with a message when torchao is not installed (``pip install torchao``).
 
-Columns: saved ``state_dict`` bytes (and % of fp32), the task metric on 512 held-out samples, and
+Columns: saved ``state_dict`` bytes (and % of fp32), eval loss and accuracy on 512 held-out samples, and
 the median forward latency of a batch on CPU, eager and compiled (dscompile's backend for fp32
 and dscompile rows, Inductor for torchao). DeepSpeed's own compression library only simulated
 quantization (its models stayed fp32-sized) and was removed in 0.19.8, so it has no row.
@@ -102,15 +102,16 @@ class Bench:
         model.eval()
 
     @torch.no_grad()
-    def metric(self, model: nn.Module) -> float:
+    def metric(self, model: nn.Module) -> tuple[float, float]:
+        """(eval loss, accuracy): next-token accuracy for the GPT, class accuracy for the BERT."""
         model.eval()
-        if self.name == "bert":
-            right = total = 0
-            for inputs, labels in self.eval_batches:
-                right += int((model(*inputs).argmax(-1) == labels).sum())
-                total += labels.numel()
-            return right / total
-        return statistics.mean(float(self.loss(model(*inputs), targets)) for inputs, targets in self.eval_batches)
+        losses, right, total = [], 0, 0
+        for inputs, targets in self.eval_batches:
+            logits = model(*inputs)
+            losses.append(float(self.loss(logits, targets)))
+            right += int((logits.argmax(-1) == targets).sum())
+            total += targets.numel()
+        return statistics.mean(losses), right / total
 
     @torch.no_grad()
     def latency(self, model: nn.Module, backend: str | None) -> float:
@@ -206,7 +207,7 @@ def run(name: str, args: argparse.Namespace) -> list[dict]:
     teacher = bench.make()
     start = time.perf_counter()
     bench.train(teacher, args.teacher_steps, args.lr)
-    print(f"[{name}] teacher trained in {time.perf_counter() - start:.0f}s: {bench.metric(teacher):.4f}", flush=True)
+    print(f"[{name}] teacher trained in {time.perf_counter() - start:.0f}s: loss, accuracy {bench.metric(teacher)}", flush=True)
     fp32_bytes = saved_bytes(teacher)
     rows: list[tuple[str, Callable[[], nn.Module], str | None]] = [
         ("fp32", lambda: teacher, "dscompile"),
@@ -239,7 +240,7 @@ def run(name: str, args: argparse.Namespace) -> list[dict]:
             }
         )
         r = results[-1]
-        print(f"[{name}] {label}: {r['bytes']:,} B ({r['fraction']:.1%}), metric {r['metric']:.4f}, {r['eager_ms']:.2f}/{r['compiled_ms']:.2f} ms", flush=True)
+        print(f"[{name}] {label}: {r['bytes']:,} B ({r['fraction']:.1%}), loss/acc {r['metric']}, {r['eager_ms']:.1f}/{r['compiled_ms']:.1f} ms", flush=True)
     if name == "gpt":
         print(f"[gpt] the Markov chain's entropy (the best reachable loss): {bench.task.entropy():.4f}")
     return results
@@ -258,8 +259,8 @@ def main() -> None:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     results = [r for name in args.models.split(",") for r in run(name.strip(), args)]
     print()
-    print("| model | variant | state_dict bytes | % of fp32 | accuracy (bert) / eval loss (gpt) | eager ms/batch | compiled ms/batch |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| model | variant | state_dict bytes | % of fp32 | eval loss | accuracy | eager ms/batch | compiled ms/batch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['model']} | {r['variant']} | {r['bytes']:,} | {r['fraction']:.1%} | {r['metric']:.4f} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} |")
 

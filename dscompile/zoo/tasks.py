@@ -4,7 +4,8 @@ Random tokens teach a model nothing, so accuracy and loss after compression woul
 These tasks have structure a small model learns in a few hundred steps on a CPU:
 
 - ``MarkerTask`` (BERT classification): the label is the marker token (1..classes) planted most
-  often among random filler tokens; a distractor marker is planted fewer times.
+  often among random filler tokens (3 times); two distractor markers are planted twice and once,
+  so the model must count, not just detect.
 - ``MarkovTask`` (GPT language modelling): sequences from a fixed sparse Markov chain (each token
   has a few likely successors), so the achievable loss is well below ``log(vocab)``.
 """
@@ -27,11 +28,12 @@ class MarkerTask:
         c, s = self.num_classes, self.seq_len
         ids = torch.randint(c + 1, self.vocab_size, (batch_size, s), generator=gen)
         labels = torch.randint(0, c, (batch_size,), generator=gen)
-        distractor = (labels + torch.randint(1, c, (batch_size,), generator=gen)) % c
         for row in range(batch_size):
-            slots = torch.randperm(s - 1, generator=gen)[:5] + 1  # position 0 is the [CLS] slot
+            others = (int(labels[row]) + 1 + torch.randperm(c - 1, generator=gen)[:2]) % c
+            slots = torch.randperm(s - 1, generator=gen)[:6] + 1  # position 0 is the [CLS] slot
             ids[row, slots[:3]] = int(labels[row]) + 1
-            ids[row, slots[3:4]] = int(distractor[row]) + 1
+            ids[row, slots[3:5]] = int(others[0]) + 1
+            ids[row, slots[5:6]] = int(others[1]) + 1
         ids[:, 0] = 0
         return (ids, torch.ones_like(ids, dtype=torch.bool)), labels
 
