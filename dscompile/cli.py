@@ -1,4 +1,4 @@
-"""The ``dscompile`` command: ``dump`` graphs pass by pass, list ``passes``, run the ``demo``."""
+"""The ``dscompile`` command: ``dump`` graphs pass by pass, list ``passes``, run the ``demo``, ``compress`` a model."""
 
 from __future__ import annotations
 
@@ -189,6 +189,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compress(args: argparse.Namespace) -> int:
+    from dscompile.compression_report import compress_report
+
+    model, inputs = _call_factory(load_target(args.target), args.target)
+    report = compress_report(model, inputs, args.config, save=args.save)
+    print(report.render())
+    return 0
+
+
 def cmd_zero_to_fp32(args: argparse.Namespace) -> int:
     from dscompile.runtime.zero_checkpoint import main as zero_to_fp32
 
@@ -214,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--lower", choices=("eager", "inductor", "triton"), default=None)
     demo.set_defaults(func=cmd_demo)
+    compress = sub.add_parser("compress", help="compress a model with a compression_training config: sizes before/after, output error")
+    compress.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory returning (model, example_inputs)")
+    compress.add_argument("--config", required=True, help="a ds_config.json with a compression_training section")
+    compress.add_argument("--save", metavar="FILE", help="write the cleaned model's state_dict here")
+    compress.set_defaults(func=cmd_compress)
     z2f = sub.add_parser("zero-to-fp32", help="consolidate ZeRO checkpoint shards into one fp32 state_dict: CKPT OUT [--tag TAG]")
     z2f.add_argument("rest", nargs=argparse.REMAINDER)
     z2f.set_defaults(func=cmd_zero_to_fp32)

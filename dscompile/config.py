@@ -154,7 +154,6 @@ def _declare_unbuilt(key: str, capability: str, is_disabled: Callable[[Any], boo
 for _key, _capability in {
     "amp": "apex AMP",
     "tensor_parallel": "tensor parallelism",
-    "compression_training": "compression training",
     "quantize_training": "quantized training",
     "data_efficiency": "data efficiency",
     "curriculum_learning": "curriculum learning",

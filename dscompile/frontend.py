@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dscompile.config import DSConfig, load_config
+from dscompile.graph import lifted_tensors
 from dscompile.pipeline import PassContext, PassInvocation, PassManager, pipeline_from_config, pipeline_lowering
 from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
@@ -74,7 +75,9 @@ class GraphCompiler:
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.param_names = _parameter_names(gm, example_inputs)
         _annotate_parameters(gm, self.param_names)
+        lifted_before = len(lifted_tensors(gm))
         gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
+        self.param_names = _shift_for_lifted(gm, lifted_before, self.param_names)
         from torch._functorch.aot_autograd import aot_module_simplified
 
         compiled = aot_module_simplified(
@@ -143,6 +146,24 @@ def _parameter_names(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
         if isinstance(value, torch.nn.Parameter):
             names[index] = _readable_param_name(node)
     return names
+
+
+def _shift_for_lifted(gm: torch.fx.GraphModule, lifted_before: int, param_names: dict[int, str]) -> dict[int, str]:
+    """Parameter positions in AOTAutograd's graphs once passes lifted state onto ``gm`` (``lift_tensor``).
+
+    AOTAutograd puts ``gm``'s own parameters and buffers before the Dynamo inputs; the lifted
+    parameters (learned mask scores) are named as parameters too.
+    """
+    lifted = lifted_tensors(gm)
+    if len(lifted) == lifted_before:
+        return param_names
+    if lifted_before:
+        from dscompile.errors import DSCompilePassError
+
+        raise DSCompilePassError("a pass lifted state onto a graph that already holds its parameters as attributes (the pipeline engine's); not supported")
+    shifted = {index + len(lifted): name for index, name in param_names.items()}
+    shifted.update({index: name for index, (name, value) in enumerate(lifted) if isinstance(value, torch.nn.Parameter)})
+    return shifted
 
 
 def _annotate_parameters(gm: torch.fx.GraphModule, param_names: dict[int, str]) -> None:

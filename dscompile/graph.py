@@ -195,3 +195,53 @@ def set_fake_value(node: torch.fx.Node, fake_mode: Any | None = None) -> Any:
             value = node.target(*args, **kwargs)
     node.meta["val"] = value
     return value
+
+
+def lift_tensor(gm: torch.fx.GraphModule, name: str, tensor: torch.Tensor) -> torch.fx.Node:
+    """A ``get_attr`` node reading ``tensor``, which becomes an input of the compiled graph.
+
+    For state a pass adds that the model's forward never reads: a pruning mask, a learned mask
+    score (an ``nn.Parameter``: AOTAutograd computes its gradient), a bit width the scheduler
+    changes between steps. The tensor is registered on ``gm`` (a parameter or a buffer), so
+    AOTAutograd lifts it as a leading input and the compiled code reads the live tensor on every
+    call: in-place updates between calls are seen without recompiling. The frontend shifts its
+    parameter positions by the number of lifted tensors. Call on the Dynamo graph (``pre_autograd``).
+    """
+    from torch._dynamo.source import ConstantSource
+
+    for existing, value in lifted_tensors(gm):
+        if value is tensor:  # lifted once per graph: two inputs aliasing one tensor would need guards
+            found = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == existing]
+            if found:
+                return found[0]
+    target = name
+    suffix = 0
+    while hasattr(gm, target):
+        suffix += 1
+        target = f"{name}_{suffix}"
+    if isinstance(tensor, torch.nn.Parameter):
+        gm.register_parameter(target, tensor)
+    else:
+        gm.register_buffer(target, tensor)
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        # AOTAutograd asks Dynamo's graph where each lifted tensor came from (to guard aliased
+        # inputs); these tensors alias nothing Dynamo saw, so a name is all it needs.
+        sources[target] = ConstantSource(f"__dscompile_lifted_{target}")
+    first = next(iter(gm.graph.nodes))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    with gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before(first):
+        node = gm.graph.get_attr(target)
+    fake_mode = fake_mode_of(gm)
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
+    else:
+        node.meta["val"] = tensor
+    return node
+
+
+def lifted_tensors(gm: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What AOTAutograd lifts from ``gm`` as leading inputs, in its order (parameters, then buffers)."""
+    return [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]

@@ -62,7 +62,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = self.qkv(x).split(self.n_heads * self.head_dim, dim=-1)  # not c: head pruning shrinks it
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
@@ -75,7 +75,7 @@ class CausalSelfAttention(nn.Module):
             weights = F.softmax(scores, dim=-1)
             weights = F.dropout(weights, p=p, training=self.training)
             y = weights @ v
-        y = y.transpose(1, 2).reshape(b, t, c)
+        y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         return self.resid_drop(self.proj(y))
 
 

@@ -1,0 +1,115 @@
+"""The compression schedule, advanced by the global step and independent of any engine.
+
+DeepSpeed's engine owns a ``compression_scheduler`` and calls it around every optimizer step; here
+the schedule is a small object any training loop (and, once wired, the engine core) drives:
+
+    scheduler = CompressionScheduler(model)       # after init_compression(model, config)
+    for step in range(steps):
+        scheduler.step(step)                      # before the forward of optimizer step `step` (0 first)
+        loss = compiled(batch); loss.backward()
+        scheduler.after_backward()                # gradients ready (snip_momentum scores)
+        optimizer.step(); optimizer.zero_grad()
+
+``step(n)`` puts every compressed layer in the state the forward of step ``n`` needs: switches on
+each technique at its ``schedule_offset``, sets the scheduled bit width (and ``fp16_mixed_quantize``
+ratio), and takes the l1 / snip_momentum mask decisions from the current weights. All of it is
+tensors the compiled graphs read, so no step recompiles. Skipped steps (fp16 overflow) are not
+counted, as in DeepSpeed: pass the number of applied optimizer steps.
+
+What the engine core has to do once it hosts this (not wired yet):
+- at init, when ``compression_training`` enables a technique: require a model ``init_compression``
+  prepared (``dscompile.compression.get_compression_scheduler(model)`` raises otherwise), or call
+  ``init_compression(model, config)`` itself before it builds the optimizer (learned mask scores
+  are parameters);
+- before each forward: ``scheduler.step(engine.global_steps)`` (idempotent within a step, so
+  calling it per micro-batch is fine);
+- at the accumulation boundary, after backward and before ``optimizer.step()``:
+  ``scheduler.after_backward()`` (snip_momentum; with ZeRO-2/3 on the full gradients);
+- checkpoints: ``scheduler.state_dict()`` / ``load_state_dict()`` beside the model's (the layers'
+  masks, bits and scores are in the model's ``state_dict``);
+- ZeRO-2/3: give every shard parameter its full parameter's ``ds_compression`` and
+  ``ds_compression_prepared`` attributes (the passes find the state from the graph's parameter
+  inputs), compute l1 masks from gathered weights (``set_step`` reads ``module.weight``), and keep
+  the ``ds_compression`` submodules' learned scores unsharded (the passes read the module's own
+  ``nn.Parameter``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from dscompile.runtime.compression.state import CompressionState
+
+
+class CompressionScheduler:
+    """Advances every ``CompressionState`` of a model with the global step (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.global_step = -1
+        self.layers: list[tuple[nn.Module, CompressionState]] = []
+        seen: set[int] = set()
+        for module in model.modules():
+            state = getattr(module, "ds_compression", None)
+            if isinstance(state, CompressionState) and id(state) not in seen:
+                seen.add(id(state))
+                self.layers.append((module, state))
+
+    def step(self, global_step: int) -> None:
+        """Set the compression state for the forward of optimizer step ``global_step`` (0-based)."""
+        if global_step < 0:
+            raise ValueError(f"global_step must be >= 0, got {global_step}")
+        self.global_step = global_step
+        for module, state in self.layers:
+            state.set_step(global_step, module.weight)
+
+    def after_backward(self) -> None:
+        """Accumulate snip_momentum scores from the gradients of the backward just finished."""
+        for module, state in self.layers:
+            state.accumulate_snip(module.weight, max(self.global_step, 0))
+
+    def final_step(self) -> int:
+        """The first step at which every technique is on and every schedule has finished."""
+        last = 0
+        for _module, state in self.layers:
+            wq = state.weight_quant
+            if wq is not None:
+                drops = 0 if wq.in_forward else wq.start_bits - wq.target_bits
+                last = max(last, wq.offset if drops == 0 else wq.offset + wq.period * 2 ** (drops - 1) - 1)  # the last drop's step
+            if state.act_quant is not None:
+                last = max(last, state.act_quant.offset)
+            for spec in state.masks.values():
+                last = max(last, spec.offset_end)
+        return last
+
+    def bits(self) -> dict[str, int | None]:
+        """Each weight-quantized layer's current bit width (None while its quantization is off)."""
+        result: dict[str, int | None] = {}
+        for _module, state in self.layers:
+            if state.weight_quant is not None:
+                result[state.layer_name] = int(state.wq_bits) if state.enabled("weight_quant") else None
+        return result
+
+    def summary(self) -> dict[str, Any]:
+        """What is switched on now, per layer (for logs and tests)."""
+        layers = {}
+        for _module, state in self.layers:
+            entry: dict[str, Any] = {}
+            if state.weight_quant is not None:
+                entry["weight_bits"] = int(state.wq_bits) if state.enabled("weight_quant") else None
+            if state.act_quant is not None:
+                entry["activation_bits"] = state.act_quant.bits if state.enabled("act_quant") else None
+            for technique in state.masks:
+                entry[technique] = state.enabled(technique)
+            layers[state.layer_name] = entry
+        return {"global_step": self.global_step, "layers": layers}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's own state (the layers' tensors are in the model's ``state_dict``)."""
+        return {"global_step": self.global_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step counter; the next ``step()`` call sets the layers for the next forward."""
+        self.global_step = int(state["global_step"])
