@@ -339,7 +339,9 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         own[key] = value
     if pipeline_parallel is not None:
         if "pipeline_parallel" in _SECTIONS and _SECTIONS["pipeline_parallel"].parser is not None:
-            sections["pipeline_parallel"] = _SECTIONS["pipeline_parallel"].parser(pipeline_parallel, "pipeline")
+            parsed = _SECTIONS["pipeline_parallel"].parser(pipeline_parallel, "pipeline")
+            if parsed is not None:  # None: "stages": "auto", the stage count of a PipelineModule
+                sections["pipeline_parallel"] = parsed
         else:
             raise DSCompileNotSupportedError("pipeline", "pipeline parallelism")
     config = parse_dataclass(DSConfig, own, "")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dscompile.arguments import config_source
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.optimizers import build_optimizer
@@ -431,10 +432,11 @@ def initialize(
         raise DSCompileConfigError("mpu", "model-parallel units are not supported yet", "drop mpu=/mesh_param=")
     if config is not None and config_params is not None:
         raise DSCompileConfigError("config", "both config= and config_params= given", "pass only one")
-    source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "ds_config", None)
+    source = config_source(args, config if config is not None else config_params)
     cfg = load_config(source)
+    configure_pipeline = getattr(model, "configure_pipeline", None)  # dscompile.pipe.PipelineModule: stages, cuts, loss_fn
+    if configure_pipeline is not None:
+        cfg = configure_pipeline(cfg)
     _maybe_init_distributed(dist_init_required, distributed_port)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
@@ -451,7 +453,8 @@ def initialize(
         from dscompile.runtime.pipeline_engine import PipelineEngine
 
         scheduler = _resolve_scheduler(cfg, lr_scheduler, opt)
-        engine = PipelineEngine(model, cfg, opt, scheduler)  # keeps only this rank's stages' parameters in opt
+        loss_fn = model.loss_fn if configure_pipeline is not None else None
+        engine = PipelineEngine(model, cfg, opt, scheduler, loss_fn=loss_fn)  # keeps only this rank's stages' parameters in opt
         return engine, opt, _build_dataloader(cfg, training_data, collate_fn, world_size, rank), scheduler
     if _zero_section(cfg) is not None:
         # ZeRO moves the optimizer onto the shards, so the scheduler must be built over that one.
