@@ -40,6 +40,10 @@ def parse_dataclass(cls: type, data: Any, path: str) -> Any:
                 hint or f"valid keys here: {', '.join(sorted(fields))}",
             )
         values[key] = parse_value(value, hints[key], f"{path}.{key}" if path else key)
+    for f in dataclasses.fields(cls):
+        capability = f.metadata.get("unbuilt")
+        if capability is not None and f.name in values and values[f.name] != f.default:
+            raise DSCompileNotSupportedError(f"{path}.{f.name}" if path else f.name, capability)
     try:
         obj = cls(**values)
     except TypeError as exc:
@@ -48,6 +52,12 @@ def parse_dataclass(cls: type, data: Any, path: str) -> Any:
     if validate is not None:
         validate(path)
     return obj
+
+
+def unbuilt(default: Any, capability: str) -> Any:
+    """A dataclass field for a DeepSpeed key whose capability is not built yet: accepted at its
+    default (so a full DeepSpeed config loads), refused naming the key otherwise."""
+    return field(default=default, metadata={"unbuilt": capability})
 
 
 def parse_value(value: Any, annotation: Any, path: str) -> Any:
@@ -110,6 +120,7 @@ class OptimizerConfig:
 
     type: str
     params: dict[str, Any] = field(default_factory=dict)
+    legacy_fusion: bool = False  # DeepSpeed's fp16 optimizer implementation switch; the maths is the same
 
 
 @dataclass
@@ -312,7 +323,15 @@ def _read_json(path: Path, key: str) -> dict[str, Any]:
     return data
 
 
+_TOP_LEVEL_ALIASES = {"bfloat16": "bf16"}  # DeepSpeed's older spelling
+
+
 def _parse_top_level(data: dict[str, Any]) -> DSConfig:
+    for old, new in _TOP_LEVEL_ALIASES.items():
+        if old in data:
+            if new in data:
+                raise DSCompileConfigError(old, f"given together with {new!r}", f"keep only {new!r}")
+            data = {(new if k == old else k): v for k, v in data.items()}
     own: dict[str, Any] = {}
     sections: dict[str, Any] = {}
     pipeline_parallel = None
@@ -362,3 +381,6 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         except DSCompilePipelineError as exc:
             raise DSCompileConfigError("pipeline", str(exc)) from None
     return config
+
+
+from dscompile import deepspeed_config  # noqa: E402, F401  (registers DeepSpeed's remaining sections)

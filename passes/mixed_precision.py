@@ -52,7 +52,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from dscompile.config import parse_dataclass, register_section
+from dscompile.config import parse_dataclass, register_section, unbuilt
 from dscompile.engine import DSCompileEngine, register_engine_extension
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, fake_mode_of, node_value, set_fake_value, tensor_values
@@ -109,9 +109,16 @@ class FP16Config:
 
 @dataclass
 class BF16Config:
-    """``bf16``: only ``enabled``; bf16 needs no loss scaling."""
+    """``bf16``: bf16 needs no loss scaling. ``check_grad_overflow`` (DeepSpeed's default, on)
+    skips a step whose gradients hold inf/NaN on any rank; ``immediate_grad_update`` only picks
+    when DeepSpeed's bf16 optimizer copies gradients (the maths is the same); bf16 master weights
+    and optimizer states are not built (master weights stay fp32)."""
 
     enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = unbuilt(False, "bf16 master weights and gradients (master weights stay fp32)")
+    bf16_optimizer_states: bool = unbuilt(False, "bf16 optimizer states")
 
 
 register_section("fp16", lambda value, path: parse_dataclass(FP16Config, value, path), "fp16 mixed precision")
@@ -174,11 +181,11 @@ def _mixed_precision_rule(config: Any) -> list[PassInvocation]:
 
 @register_engine_extension(40, "mixed_precision")
 def _install_loss_scaler(engine: DSCompileEngine) -> None:
-    """fp16 training gets DeepSpeed's loss scaler; bf16 needs none (the graph does the casts).
+    """fp16 training gets DeepSpeed's loss scaler; bf16 a scale of 1 that skips overflowing steps.
 
     Also sets the dtype of the reductions done outside graphs (ZeRO-1, plain data parallelism).
     """
-    from dscompile.runtime.loss_scaler import build_loss_scaler
+    from dscompile.runtime.loss_scaler import StaticLossScaler, build_loss_scaler
 
     precision = precision_of(engine.config)
     if precision is not None or engine.config.sections.get("communication_data_type"):
@@ -197,6 +204,8 @@ def _install_loss_scaler(engine: DSCompileEngine) -> None:
         )
     if precision == "fp16":
         engine.loss_scaler = build_loss_scaler(engine.config.sections["fp16"])
+    elif engine.config.sections["bf16"].check_grad_overflow:
+        engine.loss_scaler = StaticLossScaler(1.0)  # scales by 1: only skips steps with inf/NaN gradients
 
 
 # --------------------------------------------------------------------------------------------
