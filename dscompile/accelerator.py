@@ -136,6 +136,9 @@ class CPUAccelerator(_Accelerator):
     def __init__(self) -> None:
         self._peak = _resident_bytes()
 
+    def device_name(self, device_index: int | None = None) -> str:
+        return "cpu"  # one host device whatever the index (a local rank), as DeepSpeed's CPU accelerator
+
     def device(self, device_index: int | None = None) -> torch.device:
         return torch.device("cpu")
 
@@ -190,7 +193,7 @@ class CPUAccelerator(_Accelerator):
 
     @property
     def Event(self) -> Any:
-        return torch.Event
+        return None  # the host has no device events; DeepSpeed's CPU accelerator answers None too
 
     def empty_cache(self) -> None:
         return None
