@@ -33,6 +33,7 @@ from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
+from dscompile.runtime.zero_init import materialize
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
 
 if TYPE_CHECKING:
@@ -447,6 +448,8 @@ def initialize(
         check_pipeline_world(world_size, pipe.stages)
         world_size, rank = world_size // pipe.stages, rank // pipe.stages  # batch sizes count pipelines, not stages
     cfg.resolve_batch_sizes(world_size)
+    if pipe is not None or _zero_section(cfg) is None:
+        materialize(model)  # built under zero.Init but trained without ZeRO: gather the full weights back
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     opt = _resolve_optimizer(cfg, optimizer, params)
     if pipe is not None:
