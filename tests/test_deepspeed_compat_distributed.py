@@ -108,6 +108,15 @@ def _zero_init_checks(rank: int, world: int) -> dict:
         model.head.weight.fill_(123.0)
     with deepspeed.zero.GatheredParameters(model.head.weight):
         out["unmodified"] = model.head.weight.unique().tolist()
+    from dscompile.errors import DSCompileNotSupportedError
+    from dscompile.zoo.hf import HFConfig, _gpt2_module
+
+    try:
+        with deepspeed.zero.Init():
+            _gpt2_module(HFConfig(n_layers=1))
+        out["hf"] = "built"
+    except DSCompileNotSupportedError as exc:
+        out["hf"] = str(exc)
     return out
 
 
@@ -146,8 +155,44 @@ def _train(rank: int, world: int, stage: int, zero_init: bool, steps: int = 2) -
     return out
 
 
+def _tied_layers() -> list:
+    from dscompile.pipe import LayerSpec, TiedLayerSpec
+
+    def head(embed: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return h @ embed.weight.t()  # the output projection shares the embedding's weight
+
+    return [
+        TiedLayerSpec("embed", nn.Embedding, 11, 8),
+        LayerSpec(nn.Linear, 8, 8),
+        LayerSpec(nn.Linear, 8, 8),
+        nn.ReLU(inplace=True),  # first layer of stage 1 under the uniform partition
+        TiedLayerSpec("embed", nn.Embedding, 11, 8, forward_fn=head),
+        lambda logits: logits.flatten(0, 1),
+    ]
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, labels.flatten())
+
+
+def _tied_pipeline(rank: int, world: int, steps: int = 2) -> dict:
+    """PipelineModule with a TiedLayerSpec on both stages: the gradients of the shared weight are
+    summed over the stages, as one module in one process would have them."""
+    import dscompile as deepspeed
+    from dscompile.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    net = PipelineModule(_tied_layers(), num_stages=2, loss_fn=_loss, partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g)) for _ in range(2 * steps)]
+    losses = [float(engine.train_batch(iter(data[2 * s : 2 * s + 2]))) for s in range(steps)]
+    return {"losses": losses, "partitions": net.partitions(), "params": engine.stage_parameters(), "data": data}
+
+
 def _two_rank_checks(rank: int, world: int) -> dict:
-    out = {"comm": _comm_checks(rank, world), "zero_init": _zero_init_checks(rank, world)}
+    out = {"comm": _comm_checks(rank, world), "zero_init": _zero_init_checks(rank, world), "tied": _tied_pipeline(rank, world)}
     for stage in (0, 2, 3):
         for zero_init in (False, True):
             out[("train", stage, zero_init)] = _train(rank, world, stage, zero_init)
@@ -185,6 +230,27 @@ def test_comm_zero_init_and_gathered_parameters_on_two_ranks():
         assert zi["shapes"]["blocks.0.fc.weight"] == ((0,), (12, 12), 72) and zi["shapes"]["head.bias"] == ((0,), (3,), 2)
         assert zi["same_as_plain"] and zi["freed_again"]
         assert zi["modified"] == [0.5] and zi["unmodified"] == [0.5]
+        assert "transformers models built under zero.Init" in zi["hf"]  # refused: its own init would miss the shards
+
+    torch.manual_seed(0)
+    from dscompile.pipe import PipelineModule
+
+    plain = PipelineModule(_tied_layers(), num_stages=1)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    data = results[0]["tied"]["data"]
+    for step in range(2):
+        loss = sum(_loss(plain(x), y) for x, y in data[2 * step : 2 * step + 2]) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for res in results:
+            assert res["tied"]["partitions"] == [0, 3, 6]
+            assert res["tied"]["losses"][step] == pytest.approx(loss.item(), rel=1e-5)
+    expected = dict(plain.named_parameters())
+    for res in results:
+        for name, value in res["tied"]["params"].items():
+            torch.testing.assert_close(value, expected[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert "tied_modules.embed.weight" in results[0]["tied"]["params"] and "tied_modules.embed.weight" in results[1]["tied"]["params"]
 
     ref_losses, ref_params = _reference()
     for stage in (0, 2, 3):

@@ -8,7 +8,11 @@ the same values whatever its seed) and cut into this rank's flat, padded shard
 one module's parameters exist in full while the model is built, never the whole model. A parent's
 ``self.apply(init_fn)`` during construction (how Hugging Face models initialise weights) sees each
 module's own parameters gathered, and the result is broadcast and re-sharded
-(DeepSpeed's ``override_module_apply``).
+(DeepSpeed's ``override_module_apply``), together with its direct children's parameters, which such
+functions also set. Weight initialisation that bypasses ``nn.Module.apply`` (Hugging Face
+transformers 5 walks modules with its own ``smart_apply``; it gathers only under the real
+DeepSpeed's integration) would write into empty shards, so building a transformers model inside is
+refused: build it normally and let ZeRO-3 partition it at ``initialize``.
 
 The shard is recorded on the parameter under DeepSpeed's names (``ds_shape``, ``ds_numel``,
 ``ds_tensor``); ``ZeroPartition`` adopts those shards instead of cutting new ones
@@ -28,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dscompile.errors import DSCompileConfigError
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.zero_shard import attach_shard, gather_sharded, is_sharded, shard_of
 
 _ZERO_INIT_DEPTH = 0  # nested ShardOnCreation contexts patch only once
@@ -97,6 +101,15 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
+def _refuse_own_initialisation(module: nn.Module) -> None:
+    if any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
+        raise DSCompileNotSupportedError(
+            "zero.Init",
+            "Hugging Face transformers models built under zero.Init (their weight initialisation bypasses nn.Module.apply and "
+            "would write into empty shards; build the model normally and ZeRO-3 partitions it at initialize)",
+        )
+
+
 class ShardOnCreation:
     """Context: modules built inside come out with their parameters sharded (see module doc)."""
 
@@ -127,6 +140,7 @@ class ShardOnCreation:
                 if outermost:
                     building.discard(id(module))
             if outermost:
+                _refuse_own_initialisation(module)
                 shard_module(module, self.group, self.dtype)
 
         __init__._dscompile_zero_init = True  # type: ignore[attr-defined]
@@ -165,7 +179,9 @@ class ShardOnCreation:
             def apply(module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
                 for child in module.children():
                     child.apply(fn)
-                with gathered(list(module.parameters(recurse=False)), modifier_rank=0):
+                # fn may also set its direct children's weights (GPT-2 scales ``module.c_proj.weight``)
+                params = list(module.parameters(recurse=False)) + [p for c in module.children() for p in c.parameters(recurse=False)]
+                with gathered(params, modifier_rank=0):
                     fn(module)
                 return module
 
