@@ -320,4 +320,5 @@ def test_same_losses_as_deepspeed(run, case):
     theirs = run(script, config, *extra, framework="deepspeed")
     for key in ours:
         if key.startswith("err") or key == "losses":
+            print(f"{case} {key}: dscompile {ours[key]} deepspeed {theirs[key]}")
             assert_losses(ours[key], theirs[key], 1e-3, f"{case}: {key}")

@@ -47,7 +47,7 @@ for step in range(args.steps):
     # (2) update G: maximize log(D(G(z)))
     netG.zero_grad()
     label.fill_(1.0)
-    errG = criterion(model_engineD(fake), label)
+    errG = criterion(netD(fake), label)  # the discriminator module itself: its engine does not train here
     model_engineG.backward(errG)
     model_engineG.step()
     for name, value in (("errD", errD_real + errD_fake), ("errG", errG)):
