@@ -39,11 +39,10 @@ def image_dataset(samples: int = 64, seed: int = 0) -> TensorDataset:
     return TensorDataset(images, labels)
 
 
-def pipeline_layers(tied: bool = False) -> list:
+def pipeline_layers() -> list:
     """The classifier as a layer list for PipelineModule (LayerSpecs, modules and functions); the
-    second stage starts with nn.ReLU(inplace=True) under the uniform partition."""
-    from functools import partial  # noqa: F401  (scripts build LayerSpecs from this list)
-
+    second stage starts with nn.ReLU(inplace=True) under the uniform partition. Entries are
+    ("spec", class, args, kwargs) for a LayerSpec, ("module", module) or ("function", fn)."""
     return [
         ("spec", nn.Conv2d, (3, 6, 3), {"padding": 1}),
         ("module", nn.MaxPool2d(2, 2)),
