@@ -56,13 +56,15 @@ def _any_enabled(value: Any) -> bool:
     return False
 
 
-def _checked_section(key: str, capability: str, known: tuple[str, ...], check: Check) -> None:
-    """A section without one switch: ``check(path, section)`` refuses the values that need ``capability``."""
+def _checked_section(key: str, capability: str, known: tuple[str, ...], check: Check | None) -> None:
+    """A section without one switch: ``check(path, section)`` refuses the values that need ``capability``
+    (None: every value is accepted, only the keys are checked)."""
 
     def parse(value: Any, path: str) -> dict[str, Any]:
         section = _expect_mapping(path, value)
         _check_keys(path, section, known)
-        check(path, section)
+        if check is not None:
+            check(path, section)
         return dict(section)
 
     register_section(key, parse, capability)
@@ -128,15 +130,12 @@ _switched_section(
 
 
 # -- sections checked value by value ------------------------------------------------------------
-def _check_aio(path: str, section: Mapping[str, Any]) -> None:
-    """Only NVMe offload reads these, and it is refused in zero_optimization: nothing to switch here."""
-
-
+# Only NVMe offload reads these, and zero_optimization refuses it: there is nothing to switch on here.
 _checked_section(
     "aio",
     "asynchronous NVMe I/O",
     ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events", "use_gds"),
-    _check_aio,
+    None,
 )
 
 _TAG_VALIDATION = ("ignore", "warn", "fail")

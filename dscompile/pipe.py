@@ -252,8 +252,9 @@ class PipelineModule(nn.Module):
         if not raw.get("activation_checkpoint_interval"):
             raw["activation_checkpoint_interval"] = self.activation_checkpoint_interval  # DeepSpeed: the config's wins when > 0
         section = parse_dataclass(PipelineParallelConfig, raw, "pipeline")
-        if section.split_points:
-            raise DSCompileConfigError("pipeline.split_points", "a PipelineModule partitions by its partition_method", "drop split_points")
+        for key in ("split_points", "partition_method"):
+            if key in raw:
+                raise DSCompileConfigError(f"pipeline.{key}", "a PipelineModule cuts its stages by its own partition_method", f"drop {key}")
         self._bounds = self.partition_layers(section.num_model_stages)
         config.sections["pipeline_parallel"] = section
         return config

@@ -243,6 +243,8 @@ def test_initialize_returns_the_pipeline_engine_for_a_pipeline_module():
     torch.testing.assert_close(evaluated, expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(DSCompileConfigError, match="contradicts PipelineModule"):
         dscompile.initialize(model=PipelineModule(_layers(), num_stages=1), config={**cfg, "pipeline": {"stages": 2}})
+    with pytest.raises(DSCompileConfigError, match="its own partition_method"):
+        dscompile.initialize(model=PipelineModule(_layers(), num_stages=1), config={**cfg, "pipeline": {"partition_method": "cost"}})
 
 
 # -- pipeline stages that modify their inputs in place ------------------------------------------
