@@ -6,6 +6,11 @@
 
 from __future__ import annotations
 
+# DeepSpeed's public names, so that `import dscompile as deepspeed` keeps a script working
+from dscompile import accelerator, checkpointing, comm, moe, pipe, utils, zero  # noqa: E402, I001
+from dscompile.accelerator import get_accelerator  # noqa: E402
+from dscompile.arguments import add_config_arguments  # noqa: E402
+from dscompile.comm import init_distributed  # noqa: E402
 from dscompile.config import DSConfig, load_config
 from dscompile.engine import DSCompileEngine, initialize
 from dscompile.errors import (
@@ -16,11 +21,25 @@ from dscompile.errors import (
     DSCompilePipelineError,
 )
 from dscompile.frontend import dscompile_backend
+from dscompile.pipe import PipelineModule  # noqa: E402
+from dscompile.runtime.pipeline_engine import PipelineEngine  # noqa: E402
 from dscompile.runtime.pipeline_markers import pipeline_split
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PipelineEngine",
+    "PipelineModule",
+    "accelerator",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
+    "get_accelerator",
+    "init_distributed",
+    "moe",
+    "pipe",
+    "utils",
+    "zero",
     "DSCompileConfigError",
     "DSCompileEngine",
     "DSCompileError",

@@ -40,6 +40,10 @@ def parse_dataclass(cls: type, data: Any, path: str) -> Any:
                 hint or f"valid keys here: {', '.join(sorted(fields))}",
             )
         values[key] = parse_value(value, hints[key], f"{path}.{key}" if path else key)
+    for f in dataclasses.fields(cls):
+        capability = f.metadata.get("unbuilt")
+        if capability is not None and f.name in values and values[f.name] != f.default:
+            raise DSCompileNotSupportedError(f"{path}.{f.name}" if path else f.name, capability)
     try:
         obj = cls(**values)
     except TypeError as exc:
@@ -48,6 +52,12 @@ def parse_dataclass(cls: type, data: Any, path: str) -> Any:
     if validate is not None:
         validate(path)
     return obj
+
+
+def unbuilt(default: Any, capability: str) -> Any:
+    """A dataclass field for a DeepSpeed key whose capability is not built yet: accepted at its
+    default (so a full DeepSpeed config loads), refused naming the key otherwise."""
+    return field(default=default, metadata={"unbuilt": capability})
 
 
 def parse_value(value: Any, annotation: Any, path: str) -> Any:
@@ -110,6 +120,7 @@ class OptimizerConfig:
 
     type: str
     params: dict[str, Any] = field(default_factory=dict)
+    legacy_fusion: bool = False  # DeepSpeed's fp16 optimizer implementation switch; the maths is the same
 
 
 @dataclass
@@ -311,7 +322,15 @@ def _read_json(path: Path, key: str) -> dict[str, Any]:
     return data
 
 
+_TOP_LEVEL_ALIASES = {"bfloat16": "bf16"}  # DeepSpeed's older spelling
+
+
 def _parse_top_level(data: dict[str, Any]) -> DSConfig:
+    for old, new in _TOP_LEVEL_ALIASES.items():
+        if old in data:
+            if new in data:
+                raise DSCompileConfigError(old, f"given together with {new!r}", f"keep only {new!r}")
+            data = {(new if k == old else k): v for k, v in data.items()}
     own: dict[str, Any] = {}
     sections: dict[str, Any] = {}
     pipeline_parallel = None
@@ -338,7 +357,9 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         own[key] = value
     if pipeline_parallel is not None:
         if "pipeline_parallel" in _SECTIONS and _SECTIONS["pipeline_parallel"].parser is not None:
-            sections["pipeline_parallel"] = _SECTIONS["pipeline_parallel"].parser(pipeline_parallel, "pipeline")
+            parsed = _SECTIONS["pipeline_parallel"].parser(pipeline_parallel, "pipeline")
+            if parsed is not None:  # None: "stages": "auto", the stage count of a PipelineModule
+                sections["pipeline_parallel"] = parsed
         else:
             raise DSCompileNotSupportedError("pipeline", "pipeline parallelism")
     config = parse_dataclass(DSConfig, own, "")
@@ -382,3 +403,6 @@ def _check_compressed_comm_optimizer(config: DSConfig) -> None:
             f"optimizer {config.optimizer.type} does not support pipeline parallelism yet (it would average across stages)",
             "train without a pipeline section, or use Adam/AdamW",
         )
+
+
+from dscompile import deepspeed_config  # noqa: E402, F401  (registers DeepSpeed's remaining sections)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dscompile.arguments import config_source
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.data_parallel import DataParallelGradients
@@ -31,6 +32,8 @@ from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agr
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_extension import shard_optimizer
+from dscompile.runtime.zero_init import materialize
+from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
 
 if TYPE_CHECKING:
     from dscompile.runtime.pipeline_engine import PipelineEngine
@@ -227,10 +230,11 @@ def initialize(
         raise DSCompileConfigError("mpu", "model-parallel units are not supported yet", "drop mpu=/mesh_param=")
     if config is not None and config_params is not None:
         raise DSCompileConfigError("config", "both config= and config_params= given", "pass only one")
-    source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "ds_config", None)
+    source = config_source(args, config if config is not None else config_params)
     cfg = load_config(source)
+    configure_pipeline = getattr(model, "configure_pipeline", None)  # dscompile.pipe.PipelineModule: stages, cuts, loss_fn
+    if configure_pipeline is not None:
+        cfg = configure_pipeline(cfg)
     _maybe_init_distributed(dist_init_required, distributed_port)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
@@ -241,6 +245,8 @@ def initialize(
         check_pipeline_world(world_size, pipe.stages)
         world_size, rank = world_size // pipe.stages, rank // pipe.stages  # batch sizes count pipelines, not stages
     cfg.resolve_batch_sizes(world_size)
+    if pipe is not None or _zero_section(cfg) is None:
+        materialize(model)  # built under zero.Init but trained without ZeRO: gather the full weights back
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     builds_optimizer = cfg.optimizer is not None or (optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer))
     if not params and builds_optimizer:  # say so here, not with torch's "empty parameter list"
@@ -253,7 +259,8 @@ def initialize(
         from dscompile.runtime.pipeline_engine import PipelineEngine
 
         scheduler = _resolve_scheduler(cfg, lr_scheduler, opt)
-        engine = PipelineEngine(model, cfg, opt, scheduler)  # keeps only this rank's stages' parameters in opt
+        loss_fn = model.loss_fn if configure_pipeline is not None else None
+        engine = PipelineEngine(model, cfg, opt, scheduler, loss_fn=loss_fn)  # keeps only this rank's stages' parameters in opt
         return engine, opt, _build_dataloader(cfg, training_data, collate_fn, world_size, rank), scheduler
     # Extensions may move the optimizer (ZeRO steps the shards), so a scheduler built here is built over the engine's.
     ready = lr_scheduler if lr_scheduler is not None and hasattr(lr_scheduler, "step") else None

@@ -54,7 +54,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from dscompile.config import parse_dataclass, register_section
+from dscompile.config import parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, fake_mode_of, node_value, set_fake_value, tensor_values
 from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
@@ -112,9 +112,16 @@ class FP16Config:
 
 @dataclass
 class BF16Config:
-    """``bf16``: only ``enabled``; bf16 needs no loss scaling."""
+    """``bf16``: bf16 needs no loss scaling. ``check_grad_overflow`` (DeepSpeed's default, on)
+    skips a step whose gradients hold inf/NaN on any rank; ``immediate_grad_update`` only picks
+    when DeepSpeed's bf16 optimizer copies gradients (the maths is the same); bf16 master weights
+    and optimizer states are not built (master weights stay fp32)."""
 
     enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = unbuilt(False, "bf16 master weights and gradients (master weights stay fp32)")
+    bf16_optimizer_states: bool = unbuilt(False, "bf16 optimizer states")
 
 
 register_section("fp16", lambda value, path: parse_dataclass(FP16Config, value, path), "fp16 mixed precision")
@@ -177,16 +184,21 @@ def _mixed_precision_rule(config: Any) -> list[PassInvocation]:
 
 @register_engine_extension(40, "mixed_precision")
 def _mixed_precision_extension(config: Any) -> MixedPrecision | None:
-    """Every engine: fp16 gets DeepSpeed's loss scaler (bf16 needs none: the graph does the casts), and
-    the reductions done outside graphs (ZeRO-1, data parallelism, pipeline replicas) use
+    """Every engine: fp16 gets DeepSpeed's loss scaler, bf16 a scale of 1 that skips steps with inf/NaN
+    gradients (``bf16.check_grad_overflow``, DeepSpeed's default); the graph does the casts. The
+    reductions done outside graphs (ZeRO-1, data parallelism, pipeline replicas) use
     ``communication_data_type``."""
-    from dscompile.runtime.loss_scaler import build_loss_scaler
+    from dscompile.runtime.loss_scaler import StaticLossScaler, build_loss_scaler
 
     precision = precision_of(config)
     explicit = config.sections.get("communication_data_type")
     if precision is None and not explicit:
         return None
-    scaler = build_loss_scaler(config.sections["fp16"]) if precision == "fp16" else None
+    scaler = None
+    if precision == "fp16":
+        scaler = build_loss_scaler(config.sections["fp16"])
+    elif precision == "bf16" and config.sections["bf16"].check_grad_overflow:
+        scaler = StaticLossScaler(1.0)
     return MixedPrecision(
         precision,
         LOW_DTYPES[precision] if precision else None,

@@ -53,6 +53,15 @@ class PipelineParallelConfig:
     ``stages`` is the pipeline-parallel degree (ranks per pipeline); with ``interleaved_1f1b``
     each rank holds ``virtual_stages`` model chunks. ``micro_batches`` defaults to
     ``gradient_accumulation_steps``. ``compile`` compiles every stage with the dscompile backend.
+
+    DeepSpeed's own keys are accepted with DeepSpeed's meaning: ``"stages": "auto"`` (its default)
+    takes the stage count from a ``dscompile.pipe.PipelineModule``, and for any other model the
+    section then asks for no pipeline (DeepSpeed ignores it too); ``partition`` and
+    ``seed_layers`` are read by DeepSpeed's ``PipelineModule``, not from the config, so they change
+    nothing; ``pipe_partitioned`` / ``grad_partitioned`` split activations over a tensor-parallel
+    group, which dscompile does not build, so there is nothing for them to split (as in DeepSpeed
+    without model parallelism); ``use_reentrant`` picks DeepSpeed's recomputation API (the
+    gradients are the same).
     """
 
     stages: int = 1
@@ -65,6 +74,11 @@ class PipelineParallelConfig:
     compile: bool = True
     cost_memory_weight: float = 0.1
     cost_flops_per_byte: float = 1.0
+    partition: str = "best"
+    seed_layers: bool = False
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    use_reentrant: bool | None = None
 
     def validate(self, path: str) -> None:
         where = path or "pipeline"
@@ -106,7 +120,11 @@ class PipelineParallelConfig:
         return self.stages * (self.virtual_stages or 1)
 
 
-def _parse_section(value: Any, path: str) -> PipelineParallelConfig:
+def _parse_section(value: Any, path: str) -> PipelineParallelConfig | None:
+    """None for DeepSpeed's ``"stages": "auto"``: the stage count comes from a PipelineModule."""
+    if isinstance(value, dict) and value.get("stages") == "auto":
+        parse_dataclass(PipelineParallelConfig, {k: v for k, v in value.items() if k != "stages"}, path)  # check the other keys
+        return None
     return parse_dataclass(PipelineParallelConfig, value, path)
 
 

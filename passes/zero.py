@@ -30,8 +30,8 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dscompile.config import parse_dataclass, register_section
-from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.config import parse_dataclass, register_section, unbuilt
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 from dscompile.runtime import zero_ops
@@ -59,17 +59,24 @@ class ZeroConfig:
     once; the sizes above become upper bounds. 0 (the default) plans from the config alone, with no
     profiling steps (they run op by op, slower) and no second compile.
     ``contiguous_gradients``, ``round_robin_gradients``, ``sub_group_size``,
-    ``stage3_max_reuse_distance`` and ``memory_efficient_linear`` are accepted and change nothing
-    here (they tune DeepSpeed's own buffers; the maths is the same); ``reduce_scatter: false`` (an
+    ``stage3_max_reuse_distance``, ``memory_efficient_linear``, ``use_multi_rank_bucket_allreduce``,
+    ``compute_grad_norm`` (dscompile computes the norm only to clip), ``legacy_stage1``,
+    ``parameter_alignment``, ``stage3_module_granularity_threshold``, ``leaf_module``,
+    ``stage3_use_all_reduce_for_fetch_params``, ``stage3_allgather_sequential``,
+    ``enable_sanity_checks``, ``log_trace_cache_warnings``, ``cpu_offload_use_pin_memory`` and
+    ``save_muon_momentum_buffer_in_memory`` are accepted and change nothing here (they tune
+    DeepSpeed's own buffers, hooks and logs; the maths is the same); ``reduce_scatter: false`` (an
     all-reduce instead) is logged and reduce-scattered all the same; ``elastic_checkpoint`` too:
-    every ZeRO checkpoint here loads on any world size. Read by the engine
-    (``runtime/zero_extension.py``): ``allgather_partitions`` (false: the post-step refresh is one
-    broadcast per rank), ``stage3_model_persistence_threshold`` (total elements of small parameters
-    kept whole), ``ignore_unused_parameters`` (false: a parameter with no gradient is an error),
+    every ZeRO checkpoint here loads on any world size. ``override_module_apply`` is read by
+    ``zero.Init``. The ``stage3_``-less spellings DeepSpeed also accepts (``prefetch_bucket_size``,
+    ...) are read as the ``stage3_`` keys. Read by the engine (``runtime/zero_extension.py``):
+    ``allgather_partitions`` (false: the post-step refresh is one broadcast per rank),
+    ``stage3_model_persistence_threshold`` (total elements of small parameters kept whole),
+    ``ignore_unused_parameters`` (false: a parameter with no gradient is an error),
     ``stage3_gather_16bit_weights_on_model_save`` (``engine.save_16bit_model`` gathers under ZeRO-3;
     ``stage3_gather_fp16_weights_on_model_save`` is its old name). ``load_from_fp32_weights: false``
-    (rebuild master weights from 16-bit copies) is refused: checkpoints hold the fp32 shards. Offload,
-    ZeRO++ and MiCS are refused.
+    (rebuild master weights from 16-bit copies) is refused: checkpoints hold the fp32 shards.
+    Offload, ZeRO++, ZenFlow and MiCS are refused.
     """
 
     stage: int = 0
@@ -94,11 +101,28 @@ class ZeroConfig:
     memory_efficient_linear: bool = True
     offload_optimizer: dict | None = None
     offload_param: dict | None = None
-    cpu_offload: bool = False
+    cpu_offload: bool | None = False
     zero_hpz_partition_size: int = 1
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     mics_shard_size: int = -1
+    use_multi_rank_bucket_allreduce: bool = True
+    compute_grad_norm: bool = True
+    stage3_module_granularity_threshold: int | float = 0
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    stage3_allgather_sequential: bool = False
+    legacy_stage1: bool = False
+    parameter_alignment: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    cpu_offload_use_pin_memory: bool | None = None
+    leaf_module: dict | None = None
+    cpu_offload_param: bool | None = unbuilt(None, "ZeRO-Offload (CPU/NVMe offload)")
+    zero_quantized_nontrainable_weights: bool = unbuilt(False, "ZeRO++ quantized weights")
+    zenflow: dict | None = unbuilt(None, "ZenFlow (stall-free offload)")
+    pipeline_loading_checkpoint: bool = unbuilt(False, "loading ZeRO-3 checkpoints in pipeline mode")
     unshard_budget: int | float = 0
     profile_steps: int = 0
 
@@ -111,6 +135,7 @@ class ZeroConfig:
         "stage3_max_live_parameters",
         "stage3_max_reuse_distance",
         "sub_group_size",
+        "stage3_module_granularity_threshold",
         "unshard_budget",
     )
 
@@ -127,6 +152,10 @@ class ZeroConfig:
                 raise DSCompileConfigError(f"{path}.{key}", "must be positive")
         for key in ("offload_optimizer", "offload_param"):
             section = getattr(self, key)
+            for sub in section or {}:
+                if sub not in _OFFLOAD_KEYS[key]:
+                    hint = suggest(sub, _OFFLOAD_KEYS[key]) or f"valid keys: {', '.join(_OFFLOAD_KEYS[key])}"
+                    raise DSCompileConfigError(f"{path}.{key}.{sub}", "unknown key", hint)
             if section is not None and section.get("device", "none") not in ("none", None):
                 raise DSCompileNotSupportedError(f"{path}.{key}", "ZeRO-Offload (CPU/NVMe offload)")
         if self.cpu_offload:
@@ -157,7 +186,39 @@ class ZeroConfig:
         return self.stage > 0
 
 
+# DeepSpeed 0.19's keys of the offload subsections (checked even while offload is off).
+_OFFLOAD_KEYS = {
+    "offload_param": ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"),
+    "offload_optimizer": (
+        "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc",
+    ),
+}
+
+# DeepSpeed's field names, accepted beside the ``stage3_`` spellings its documentation uses.
+_STAGE3_ALIASES = {
+    name: "stage3_" + name
+    for name in (
+        "prefetch_bucket_size",
+        "param_persistence_threshold",
+        "model_persistence_threshold",
+        "max_live_parameters",
+        "max_reuse_distance",
+        "gather_16bit_weights_on_model_save",
+        "module_granularity_threshold",
+        "use_all_reduce_for_fetch_params",
+        "allgather_sequential",
+    )
+}
+
+
 def _parse_section(value: Any, path: str) -> ZeroConfig:
+    if isinstance(value, dict):
+        value = dict(value)
+        for short, long in _STAGE3_ALIASES.items():
+            if short in value:
+                if long in value:
+                    raise DSCompileConfigError(f"{path}.{short}", f"given twice, also as {long}", "keep one of them")
+                value[long] = value.pop(short)
     return parse_dataclass(ZeroConfig, value, path)
 
 

@@ -85,9 +85,9 @@ def test_prescale_and_predivide_contradict():
 @pytest.mark.parametrize(
     "config,key",
     [
-        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
         ({"compression_training": {"weight_quantization": {}}}, "compression_training"),
-        ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
+        ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
         ({"sparse_gradients": True}, "sparse_gradients"),
     ],
 )

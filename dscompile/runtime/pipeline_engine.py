@@ -120,11 +120,20 @@ def capture_graph(module: nn.Module, example_args: Sequence[Any]) -> tuple[torch
     return torch.fx.GraphModule(module, graph), param_nodes
 
 
+def _writable(inputs: list[Any], every_tensor: bool) -> list[Any]:
+    """Copies the stage may modify in place: of the received activations that require grad (leaf
+    tensors, which autograd forbids modifying in place; a copy is not a leaf and its gradient
+    still reaches the leaf), and with ``every_tensor`` of all tensors (a recomputed stage must
+    start again from unmodified inputs). DeepSpeed's engine copies received activations too."""
+    return [t.clone() if isinstance(t, torch.Tensor) and (every_tensor or t.requires_grad) else t for t in inputs]
+
+
 class GraphStageRunner:
     """Runs one stage GraphModule per micro-batch, keeping what its backward needs.
 
     With ``checkpoint`` the forward keeps only its inputs (and RNG state) and is recomputed in
-    backward.
+    backward. The stage always runs on copies of its inputs where it could otherwise modify them
+    in place (a stage starting with ``ReLU(inplace=True)``): see ``_writable``.
     """
 
     def __init__(self, fn: Callable[..., Any], checkpoint: bool = False) -> None:
@@ -138,10 +147,10 @@ class GraphStageRunner:
         if self.checkpoint:
             rng = torch.get_rng_state()
             with torch.no_grad():
-                outputs = list(self.fn(*inputs))
+                outputs = list(self.fn(*_writable(inputs, every_tensor=True)))
             self.saved[micro_batch] = (inputs, None, rng)
             return outputs
-        outputs = list(self.fn(*inputs))
+        outputs = list(self.fn(*_writable(inputs, every_tensor=False)))
         self.saved[micro_batch] = (inputs, outputs, None)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
 
@@ -150,7 +159,7 @@ class GraphStageRunner:
         if outputs is None:
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(rng)
-                outputs = list(self.fn(*inputs))
+                outputs = list(self.fn(*_writable(inputs, every_tensor=False)))
         pairs = [(o, g) for o, g in zip(outputs, output_grads) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -69,6 +69,52 @@ def shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return flat[rank * length : (rank + 1) * length].clone()
 
 
+def is_sharded(param: torch.Tensor) -> bool:
+    """True for a parameter whose shard is recorded on it (built under ``zero.Init``, or partitioned)."""
+    return hasattr(param, "ds_tensor")
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's full shape, also when only its shard exists."""
+    return tuple(param.ds_shape) if is_sharded(param) else tuple(param.shape)
+
+
+def attach_shard(param: torch.Tensor, shard: torch.Tensor, shape: tuple[int, ...], group: dist.ProcessGroup | None) -> None:
+    """Record ``param``'s shard under DeepSpeed's attribute names (``ds_tensor``, ``ds_shape``,
+    ``ds_numel``), so ``zero.GatheredParameters`` and scripts that read them find it."""
+    param.ds_tensor = shard
+    param.ds_shape = torch.Size(shape)
+    param.ds_numel = int(torch.Size(shape).numel())
+    param.ds_process_group = group
+
+
+def gather_sharded(param: torch.Tensor) -> torch.Tensor:
+    """The full value of a sharded parameter, gathered from every rank's shard (a collective)."""
+    group = param.ds_process_group
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    shard = param.ds_tensor.detach()
+    flat = shard.clone() if world == 1 else shard.new_empty(shard.numel() * world)
+    if world > 1:
+        dist.all_gather_into_tensor(flat, shard.contiguous(), group=group)
+    return flat[: param.ds_numel].view(param.ds_shape).to(param.dtype)
+
+
+def initial_shard(param: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup | None) -> nn.Parameter:
+    """The shard ``ZeroPartition`` starts from: the one cut at construction (adopted, same storage)
+    when only that shard exists (built under ``zero.Init``), else a new cut of the full value."""
+    if not is_sharded(param) or param.numel() == param.ds_numel:  # a full value exists: it is authoritative
+        return nn.Parameter(shard_of(param, rank, world))
+    expected = shard_numel(param.ds_numel, world)
+    if param.ds_tensor.numel() != expected or zero_ops.group_name_of(param.ds_process_group) != zero_ops.group_name_of(group):
+        raise DSCompileConfigError(
+            "zero.Init(data_parallel_group)",
+            f"the model was sharded over another group than ZeRO's ({param.ds_tensor.numel()} elements per shard, {expected} expected)",
+            "build it under zero.Init with the default (world) group",
+        )
+    shard = param.ds_tensor
+    return shard if isinstance(shard, nn.Parameter) else nn.Parameter(shard.detach())
+
+
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
@@ -129,21 +175,31 @@ class ZeroPartition:
         shards = []
         kept = 0  # elements of small ZeRO-3 parameters kept whole so far
         for name, p in named:
+            shape = full_shape(p)
+            numel = int(torch.Size(shape).numel())
             persistent = stage < 3
-            if not persistent and p.numel() <= persistence_threshold:
+            if not persistent and numel <= persistence_threshold:
                 budget = model_persistence_threshold if model_persistence_threshold is not None else float("inf")
-                persistent = kept + p.numel() <= budget
-                kept += p.numel() if persistent else 0
-            layout = ParamLayout(name, tuple(p.shape), p.numel(), shard_numel(p.numel(), self.world), persistent, aliases[id(p)])
+                persistent = kept + numel <= budget
+                kept += numel if persistent else 0
+            layout = ParamLayout(name, shape, numel, shard_numel(numel, self.world), persistent, aliases[id(p)])
             self.layouts.append(layout)
             self.full_params.append(p)
-            shards.append(nn.Parameter(shard_of(p, self.rank, self.world)))
+            shards.append(initial_shard(p, self.rank, self.world, group))  # adopts zero.Init's shard
         self.shards: list[nn.Parameter] = shards
-        for layout, p in zip(self.layouts, self.full_params):
-            if stage >= 2:
-                p.requires_grad_(False)  # gradients flow to the shard, never to the full copy
-            if not layout.persistent:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            for layout, p, shard in zip(self.layouts, self.full_params, shards):
+                if stage >= 2:
+                    p.requires_grad_(False)  # gradients flow to the shard, never to the full copy
+                if layout.persistent and p.numel() != layout.numel:
+                    p.data = gather_sharded(p)  # built under zero.Init, but this stage keeps a full copy
+                elif not layout.persistent:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                attach_shard(p, shard, layout.shape, group)
+            partitioned = {id(p) for p in self.full_params}
+            for p in module.parameters():  # frozen parameters built under zero.Init are not partitioned: gather them
+                if id(p) not in partitioned and is_sharded(p) and p.numel() != p.ds_numel:
+                    p.data = gather_sharded(p)
 
     # -- names ---------------------------------------------------------------------------------
     def named_shards(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -1,0 +1,301 @@
+"""DeepSpeed 0.19's config keys for capabilities dscompile does not build (or builds elsewhere).
+
+A DeepSpeed ``ds_config.json`` written out in full (every section at its default) loads: each key
+here is checked against DeepSpeed's schema (a misspelt key is an error with a close match) and
+accepted while its capability is off; switching it on raises ``DSCompileNotSupportedError``
+naming the key. Keys that only tune DeepSpeed's own implementation (its timers, buffer sizes,
+the communication data type of sequence parallelism, which is not built) are accepted in any
+valid value. Built capabilities register their own sections (``passes/zero.py``,
+``passes/mixed_precision.py``, ...); ``dscompile.config`` imports this module last.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dscompile.config import register_section
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
+
+Check = Callable[[str, Any], None]
+
+
+def _expect_mapping(path: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise DSCompileConfigError(path, f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(path: str, value: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    for key in value:
+        if key not in known:
+            raise DSCompileConfigError(f"{path}.{key}", "unknown key", suggest(key, known) or f"valid keys here: {', '.join(known)}")
+
+
+def _refuse_when(path: str, on: bool, capability: str) -> None:
+    if on:
+        raise DSCompileNotSupportedError(path, capability)
+
+
+def _switched_section(key: str, capability: str, known: tuple[str, ...]) -> None:
+    """A section whose ``enabled`` switches an unbuilt capability on (nested ``enabled`` too)."""
+
+    def parse(value: Any, path: str) -> dict[str, Any]:
+        section = _expect_mapping(path, value)
+        _check_keys(path, section, ("enabled", *known))
+        _refuse_when(f"{path}.enabled", _any_enabled(section), capability)
+        return dict(section)
+
+    register_section(key, parse, capability)
+
+
+def _any_enabled(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return value.get("enabled") is True or any(_any_enabled(v) for v in value.values())
+    return False
+
+
+def _checked_section(key: str, capability: str, known: tuple[str, ...], check: Check | None) -> None:
+    """A section without one switch: ``check(path, section)`` refuses the values that need ``capability``
+    (None: every value is accepted, only the keys are checked)."""
+
+    def parse(value: Any, path: str) -> dict[str, Any]:
+        section = _expect_mapping(path, value)
+        _check_keys(path, section, known)
+        if check is not None:
+            check(path, section)
+        return dict(section)
+
+    register_section(key, parse, capability)
+
+
+def _scalar(key: str, capability: str, check: Check) -> None:
+    """A top-level scalar key; ``check(path, value)`` validates it and refuses what is not built."""
+
+    def parse(value: Any, path: str) -> Any:
+        check(path, value)
+        return value
+
+    register_section(key, parse, capability)
+
+
+# -- sections switched by "enabled" --------------------------------------------------------------
+_switched_section(
+    "flops_profiler",
+    "the DeepSpeed flops profiler (the dump summary counts FLOPs per graph)",
+    ("recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed", "output_file"),
+)
+_switched_section(
+    "autotuning",
+    "autotuning",
+    (
+        "fast", "results_dir", "exps_dir", "overwrite", "start_step", "end_step", "start_profile_step", "end_profile_step",
+        "metric", "metric_path", "tuner_type", "tuner_early_stopping", "tuner_num_trials", "arg_mappings", "model_info",
+        "model_info_path", "mp_size", "max_train_batch_size", "min_train_batch_size", "max_train_micro_batch_size_per_gpu",
+        "min_train_micro_batch_size_per_gpu", "num_tuning_micro_batch_sizes",
+    ),
+)  # fmt: skip
+_switched_section("comms_logger", "communication logging (use torch.profiler)", ("verbose", "prof_all", "debug", "prof_ops"))
+_switched_section("tensorboard", "tensorboard monitoring", ("output_path", "job_name"))
+_switched_section("csv_monitor", "csv monitoring", ("output_path", "job_name"))
+_switched_section("wandb", "wandb monitoring", ("group", "team", "project"))
+_switched_section(
+    "comet", "comet monitoring", ("samples_log_interval", "project", "workspace", "api_key", "experiment_name", "experiment_key", "online", "mode")
+)
+_switched_section(
+    "hybrid_engine",
+    "the hybrid engine",
+    ("max_out_tokens", "inference_tp_size", "release_inference_cache", "pin_parameters", "tp_gather_partition_size", "enable_cuda_graph"),
+)
+_switched_section("data_efficiency", "data efficiency (curriculum learning, data routing)", ("seed", "data_sampling", "data_routing"))
+_switched_section("datastates", "DataStates asynchronous checkpointing", ("config",))
+_switched_section(
+    "expert_parallel",
+    "expert parallelism (AutoEP)",
+    (
+        "autoep_size", "expert_tensor_parallel_size", "validate_folding_routing", "async_split_plan", "preset_model",
+        "moe_layer_pattern", "expert_pattern", "router_pattern", "use_grouped_mm", "disable_triton_grouped_mm", "route_norm",
+        "route_scale", "score_apply", "combine_impl", "row_weighting_impl", "gate_up_impl", "comm_backend", "comm_num_sm",
+        "comm_qp_margin", "comm_max_tokens_per_rank", "num_expert_groups", "num_limited_groups", "score_func", "top_k",
+        "load_balance_coeff", "routed_scaling_factor", "expert_w1", "expert_w2", "expert_w3", "num_experts_attr", "top_k_attr",
+        "has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern", "expert_activation",
+    ),
+)  # fmt: skip
+_switched_section(
+    "torch_autocast",
+    "torch.autocast as the precision mechanism (use bf16/fp16: the graph casts)",
+    ("dtype", "lower_precision_safe_modules"),
+)
+
+
+# -- sections checked value by value ------------------------------------------------------------
+# Only NVMe offload reads these, and zero_optimization refuses it: there is nothing to switch on here.
+_checked_section(
+    "aio",
+    "asynchronous NVMe I/O",
+    ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events", "use_gds"),
+    None,
+)
+
+_TAG_VALIDATION = ("ignore", "warn", "fail")
+
+
+def _check_checkpoint(path: str, section: Mapping[str, Any]) -> None:
+    mode = section.get("tag_validation", "Warn")
+    if not isinstance(mode, str) or mode.lower() not in _TAG_VALIDATION:
+        raise DSCompileConfigError(f"{path}.tag_validation", f"{mode!r} is not a validation mode", "use Ignore, Warn or Fail")
+    # Every rank of a dscompile checkpoint writes under the tag it is given; checking that the
+    # ranks agree on it (and failing otherwise) is not built.
+    _refuse_when(f"{path}.tag_validation", mode.lower() == "fail", "failing on checkpoint tags that differ between ranks")
+    _refuse_when(f"{path}.load_universal", bool(section.get("load_universal", False)), "universal checkpoints")
+    _refuse_when(f"{path}.use_node_local_storage", bool(section.get("use_node_local_storage", False)), "node-local checkpoint storage")
+    parallel = _expect_mapping(f"{path}.parallel_write", section.get("parallel_write", {}))
+    _check_keys(f"{path}.parallel_write", parallel, ("pipeline_stage",))
+    _refuse_when(f"{path}.parallel_write.pipeline_stage", bool(parallel.get("pipeline_stage", False)), "parallel checkpoint writes")
+    _refuse_when(f"{path}.writer", section.get("writer") is not None, "DeepSpeed's checkpoint writers")
+
+
+_checked_section(
+    "checkpoint",
+    "checkpoint engine options",
+    ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "checkpoint_serialization", "writer"),
+    _check_checkpoint,
+)
+
+
+def _check_data_types(path: str, section: Mapping[str, Any]) -> None:
+    accum = section.get("grad_accum_dtype")
+    if accum not in (None, "fp32", "fp16", "bf16"):
+        raise DSCompileConfigError(f"{path}.grad_accum_dtype", f"{accum!r} is not a data type", "use fp32, fp16 or bf16")
+    # gradients accumulate in the fp32 master weights' dtype
+    _refuse_when(f"{path}.grad_accum_dtype", accum not in (None, "fp32"), "accumulating gradients in 16 bits")
+    _refuse_when(f"{path}.param_dtype", section.get("param_dtype") is not None, "choosing the parameters' dtype apart from bf16/fp16")
+    _refuse_when(f"{path}.buffer_dtype", section.get("buffer_dtype") is not None, "choosing the buffers' dtype")
+    _refuse_when(f"{path}.keep_in_fp32_modules", section.get("keep_in_fp32_modules", "auto") != "auto", "listing modules kept in fp32")
+
+
+_checked_section("data_types", "mixed-precision data types", ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"), _check_data_types)
+
+
+def _check_compile(path: str, section: Mapping[str, Any]) -> None:
+    # ``deepcompile`` is DeepSpeed's compiler for ZeRO; dscompile always compiles and its ZeRO passes
+    # are that compiler's, so both values mean the same here. The sync/debug/buffer switches only
+    # schedule DeepCompile's own kernels.
+    for key, capability in (
+        ("offload_activation", "offloading activations to the host"),
+        ("offload_opt_states", "offloading optimizer states to the host"),
+        ("offload_parameters", "offloading parameters to the host"),
+        ("autoep_non_moe", "expert parallelism (AutoEP)"),
+    ):
+        _refuse_when(f"{path}.{key}", bool(section.get(key, False)), capability)
+    _refuse_when(f"{path}.passes", section.get("passes") is not None, "DeepCompile's own pass list (write a dscompile 'pipeline' instead)")
+
+
+_checked_section(
+    "compile",
+    "DeepSpeed's own compile section (dscompile is the compiler)",
+    (
+        "deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+        "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
+        "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
+        "keep_int_input_tensors", "keep_all_input_tensors", "passes",
+    ),
+    _check_compile,
+)  # fmt: skip
+
+
+def _check_tensor_parallel(path: str, section: Mapping[str, Any]) -> None:
+    _refuse_when(f"{path}.autotp_size", (section.get("autotp_size") or 0) > 1, "tensor parallelism")
+    tp = _expect_mapping(f"{path}.tp", section.get("tp", {}))
+    _check_keys(f"{path}.tp", tp, ("tp_size", "tp_grain_size", "mpu", "tp_group"))
+    _refuse_when(f"{path}.tp.tp_size", (tp.get("tp_size") or 1) > 1, "tensor parallelism")
+
+
+_checked_section(
+    "tensor_parallel",
+    "tensor parallelism",
+    (
+        "dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "tp",
+        "injection_policy_tuple", "partition_config", "preset_model", "keep_module_on_host", "kernel_inject",
+        "replace_with_kernel_inject",
+    ),
+    _check_tensor_parallel,
+)  # fmt: skip
+
+
+def _check_timers(path: str, section: Mapping[str, Any]) -> None:
+    """DeepSpeed's throughput timer prints samples/s every ``steps_per_print``; a report only."""
+    throughput = _expect_mapping(f"{path}.throughput", section.get("throughput", {}))
+    _check_keys(f"{path}.throughput", throughput, ("enabled", "synchronized"))
+
+
+_checked_section("timers", "DeepSpeed's throughput timer", ("throughput",), _check_timers)
+
+
+# -- top-level scalars --------------------------------------------------------------------------
+def _bool(path: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise DSCompileConfigError(path, f"expected true or false, got {value!r}")
+
+
+def _bool_refused_when(on: bool, capability: str) -> Check:
+    def check(path: str, value: Any) -> None:
+        _bool(path, value)
+        _refuse_when(path, value == on, capability)
+
+    return check
+
+
+def _accepted_bool(path: str, value: Any) -> None:
+    _bool(path, value)
+
+
+def _optional_int(path: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise DSCompileConfigError(path, f"expected a positive integer, got {value!r}")
+
+
+def _check_allreduce_op(path: str, value: Any) -> None:
+    if value not in ("mean", "sum"):
+        raise DSCompileConfigError(path, f"{value!r} is not a reduction", "use 'mean' or 'sum'")
+    _refuse_when(path, value == "sum", "summed (not averaged) gradients across ranks")
+
+
+def _check_sp_dtype(path: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or value.lower() not in ("fp32", "fp16", "bf16")):
+        raise DSCompileConfigError(path, f"{value!r} is not a communication data type", "use fp32, fp16 or bf16")
+
+
+def _check_sequence_parallel_size(path: str, value: Any) -> None:
+    _optional_int(path, value)
+    _refuse_when(path, (value or 1) > 1, "sequence parallelism")
+
+
+_LOG_LEVELS = {name: getattr(logging, name.upper()) for name in ("debug", "info", "warning", "error", "critical")} | {"warn": logging.WARNING}
+
+
+def _check_log_level(path: str, value: Any) -> None:
+    """DeepSpeed sets its logger's level from this; dscompile sets its own ("dscompile") logger's."""
+    if value is None:
+        return
+    if not isinstance(value, str) or value.lower() not in _LOG_LEVELS:
+        raise DSCompileConfigError(path, f"{value!r} is not a log level", f"use one of {', '.join(_LOG_LEVELS)}")
+    logging.getLogger("dscompile").setLevel(_LOG_LEVELS[value.lower()])
+
+
+for _key, _on, _capability in (
+    ("managed_gradient_accumulation", False, "accumulation boundaries managed by the script"),
+    ("disable_python_gc", True, "turning off Python's garbage collector"),
+    ("disable_allgather", True, "DeepSpeed's all-reduce in place of all-gather"),
+):
+    _scalar(_key, _capability, _bool_refused_when(_on, _capability))
+_scalar("gradient_allreduce_op", "summed gradients", _check_allreduce_op)
+_scalar("zero_force_ds_cpu_optimizer", "ZeRO-Offload's CPU optimizer (only read with offload, which is refused)", _accepted_bool)
+_scalar("use_data_before_expert_parallelism", "expert parallelism (only read with MoE, which is refused)", _accepted_bool)
+_scalar("seq_parallel_communication_data_type", "sequence parallelism (only read by it, which is not built)", _check_sp_dtype)
+_scalar("sequence_parallel_size", "sequence parallelism", _check_sequence_parallel_size)
+_scalar("data_parallel_size", "a device mesh (DeepSpeed reads it only with sequence_parallel_size)", _optional_int)
+_scalar("vocabulary_size", "DeepSpeed's fp16 vocabulary check", _optional_int)
+_scalar("log_level", "the log level", _check_log_level)
+_scalar("dataloader_drop_last", "the DeepSpeed dataloader's last partial batch", _accepted_bool)
