@@ -47,6 +47,7 @@ class GraphCompiler:
         self.invocations = list(invocations)
         self.lowering_name = resolve_lowering(pipeline_lowering(invocations))
         self.lowering = get_lowering(self.lowering_name)
+        self.decompositions = self.lowering.decompositions()
         self.manager = PassManager(self.invocations, debug=config.debug, dumper=dumper)
         self.dumper = dumper
         # With a dump, names follow the directory (graph_0, graph_1, ... per dump), else the process.
@@ -82,7 +83,7 @@ class GraphCompiler:
             bw_compiler=functools.partial(self._compile_graph, "backward", False),
             inference_compiler=functools.partial(self._compile_graph, "forward", True),
             partition_fn=self._partition,
-            decompositions=self.lowering.decompositions(),
+            decompositions=self.decompositions,
             keep_inference_input_mutations=True,
         )
         return compiled
@@ -93,6 +94,8 @@ class GraphCompiler:
         ctx = self.context("joint", joint_inputs, num_fwd_outputs=num_fwd_outputs)
         _annotate_parameters(joint, self.param_names)
         joint = self.manager.run(joint, ctx)
+        if self.lowering.prepare_joint is not None:
+            joint = self.lowering.prepare_joint(joint, joint_inputs)
         partition = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
         # A joint pass may choose its own partitioner (same signature as AOTAutograd's).
         partition = self.analysis.get("partition_fn", partition)
@@ -104,7 +107,12 @@ class GraphCompiler:
             ctx.graph_name = f"{self.graph_name}.inference"
         if kind == "forward":
             _annotate_parameters(gm, self.param_names)
+        if inference and self.lowering.prepare_joint is not None:
+            gm = self.lowering.prepare_joint(gm, example_inputs)  # no joint graph: the forward stands in for it
         gm = self.manager.run(gm, ctx)
+        from dscompile.backends.decompose import decompose_leftovers
+
+        decompose_leftovers(gm, self.decompositions)  # ops passes inserted after AOTAutograd's decomposition
         compiled = self.lowering.compile(gm, example_inputs, ctx)
         # A pass may wrap the lowered graph (``zero_profile`` times the first steps op by op).
         wrap = self.analysis.get("wrap_lowered", {}).pop(ctx.graph_name, None)

@@ -6,6 +6,7 @@ PyTorch's own metadata (``meta["val"]``, ``meta["recompute"]``).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -87,6 +88,8 @@ def lint_graph(gm: torch.fx.GraphModule, pass_name: str) -> None:
         return  # graphs captured without fake values (plain symbolic_trace) are not checked
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module", "placeholder"):
+            if node.target is operator.setitem:
+                continue  # in-place index assignment (T5's shift_right) returns None: Dynamo records no value
             if "val" not in node.meta and "example_value" not in node.meta:
                 raise DSCompilePassError(
                     f"pass '{pass_name}' created node '{node.name}' ({op_name(node)}) without meta['val']; set it from the fake value of the new computation"
