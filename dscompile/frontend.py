@@ -8,10 +8,11 @@ Dynamo graph. Each graph goes through: ``pre_autograd`` passes on the Dynamo gra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,28 @@ from dscompile.pipeline import PassContext, PassInvocation, PassManager, pipelin
 log = logging.getLogger("dscompile.frontend")
 
 _GRAPH_COUNTER = itertools.count()
+
+ProgressFn = Callable[[str, str], None]
+_PROGRESS_LISTENERS: list[ProgressFn] = []
+
+
+@contextlib.contextmanager
+def compile_progress(listener: ProgressFn) -> Iterator[None]:
+    """Call ``listener(graph_name, phase)`` as each compile phase starts (the demo's progress line).
+
+    Phases: ``passes on the <kind> graph``, ``AOTAutograd: tracing forward and backward``,
+    ``partitioning``, ``lowering <kind> with <lowering>``, ``done <kind>``.
+    """
+    _PROGRESS_LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _PROGRESS_LISTENERS.remove(listener)
+
+
+def _progress(graph_name: str, phase: str) -> None:
+    for listener in list(_PROGRESS_LISTENERS):
+        listener(graph_name, phase)
 
 
 def resolve_lowering(name: str | None) -> str:
@@ -73,8 +96,11 @@ class GraphCompiler:
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.param_names = _parameter_names(gm, example_inputs)
         _annotate_parameters(gm, self.param_names)
+        _progress(self.graph_name, "passes on the Dynamo graph")
         gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
         from torch._functorch.aot_autograd import aot_module_simplified
+
+        _progress(self.graph_name, "AOTAutograd: tracing forward and backward")
 
         compiled = aot_module_simplified(
             gm,
@@ -93,9 +119,12 @@ class GraphCompiler:
 
         ctx = self.context("joint", joint_inputs, num_fwd_outputs=num_fwd_outputs)
         _annotate_parameters(joint, self.param_names)
+        _progress(self.graph_name, "passes on the joint graph")
         joint = self.manager.run(joint, ctx)
         if self.lowering.prepare_joint is not None:
+            _progress(self.graph_name, f"{self.lowering_name}: joint-graph passes")
             joint = self.lowering.prepare_joint(joint, joint_inputs)
+        _progress(self.graph_name, "partitioning")
         partition = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
         # A joint pass may choose its own partitioner (same signature as AOTAutograd's).
         partition = self.analysis.get("partition_fn", partition)
@@ -107,13 +136,17 @@ class GraphCompiler:
             ctx.graph_name = f"{self.graph_name}.inference"
         if kind == "forward":
             _annotate_parameters(gm, self.param_names)
+        label = "inference" if inference else kind
         if inference and self.lowering.prepare_joint is not None:
             gm = self.lowering.prepare_joint(gm, example_inputs)  # no joint graph: the forward stands in for it
+        _progress(self.graph_name, f"passes on the {label} graph")
         gm = self.manager.run(gm, ctx)
         from dscompile.backends.decompose import decompose_leftovers
 
         decompose_leftovers(gm, self.decompositions)  # ops passes inserted after AOTAutograd's decomposition
+        _progress(self.graph_name, f"lowering the {label} graph with {self.lowering_name}")
         compiled = self.lowering.compile(gm, example_inputs, ctx)
+        _progress(self.graph_name, f"done: {label} graph")
         # A pass may wrap the lowered graph (``zero_profile`` times the first steps op by op).
         wrap = self.analysis.get("wrap_lowered", {}).pop(ctx.graph_name, None)
         return wrap(gm, compiled) if wrap is not None else compiled
