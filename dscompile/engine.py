@@ -30,6 +30,7 @@ from torch import nn
 
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, collective_device, restore_rng
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
@@ -314,7 +315,8 @@ class DSCompileEngine(nn.Module):
                 "client_state": client_state or {},
                 "ds_config": self.config.raw,
                 "world_size": self.world_size,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "devices": capture_rng(accelerator_devices(self.module.parameters())).to_dict()},
             }
             torch.save(state, directory / MODEL_STATES)
             if save_latest:
@@ -360,6 +362,8 @@ class DSCompileEngine(nn.Module):
             self.micro_steps = state["micro_steps"]
             self.skipped_steps = state.get("skipped_steps", 0)
             torch.set_rng_state(state["rng"]["torch"])
+            if "devices" in state["rng"]:  # the accelerators' generators (dropout on a GPU draws from them)
+                restore_rng(RngState.from_dict(state["rng"]["devices"]))
             random.setstate(state["rng"]["python"])
         return str(path.parent), state["client_state"]
 
@@ -483,7 +487,7 @@ def _zero_section(config: DSConfig) -> Any:
 
 
 def _agree_any(flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())  # NCCL needs it on the GPU
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
 from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forward_only
 from dscompile.runtime.pipeline_p2p import P2P
 from dscompile.runtime.pipeline_schedules import build_schedule
@@ -126,7 +127,7 @@ class GraphStageRunner:
         if not torch.is_grad_enabled():
             return list(self.fn(*inputs))
         if self.checkpoint:
-            rng = torch.get_rng_state()
+            rng = capture_rng(accelerator_devices(inputs))  # CPU and the inputs' GPU generators
             with torch.no_grad():
                 outputs = list(self.fn(*inputs))
             self.saved[micro_batch] = (inputs, None, rng)
@@ -138,8 +139,8 @@ class GraphStageRunner:
     def backward(self, micro_batch: int, output_grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         inputs, outputs, rng = self.saved.pop(micro_batch)
         if outputs is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(rng)
+            with forked_rng(list(rng.devices)):
+                restore_rng(rng)
                 outputs = list(self.fn(*inputs))
         pairs = [(o, g) for o, g in zip(outputs, output_grads) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
@@ -426,7 +427,7 @@ class PipelineEngine:
             dist.barrier()
         begin = time.perf_counter()
         actions = [a for a in build_schedule(self.pcfg.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)]
-        p2p = P2P(self.global_rank)
+        p2p = P2P(self.global_rank, self._comm_device())
         losses, timeline = run_actions(
             actions, self.program.stages, self.runners, p2p, self.rank_of_stage, batches, self.program.loss, 1.0 / self.micro_batches
         )
@@ -441,12 +442,16 @@ class PipelineEngine:
         """Forward only over ``micro_batches`` micro-batches; the mean loss (same on every rank)."""
         batches = self._fetch(data_iter)
         self._ensure_built(batches)
-        p2p = P2P(self.global_rank)
+        p2p = P2P(self.global_rank, self._comm_device())
         losses = run_forward_only(self.program.stages, self.local_stages, self.runners, p2p, self.rank_of_stage, batches, self.program.loss, self.micro_batches)
         return self._mean_loss(losses)
 
+    def _comm_device(self) -> torch.device:
+        """Where this rank's activations, gradients and reductions travel: its parameters' device if the backend serves it."""
+        return collective_device(like=self._params[0] if self._params else None)
+
     def _mean_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self._comm_device())
         if losses:
             total = torch.stack([losses[i].double() for i in sorted(losses)]).mean()
         if self.world_size > 1:
@@ -488,7 +493,7 @@ class PipelineEngine:
             members = dist.get_process_group_ranks(group) if group is not None else [self.global_rank]
             if self.global_rank != min(members):
                 skip.update(id(p) for p in params)
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self._comm_device())
         for p in self._params:
             if p.grad is not None and id(p) not in skip:
                 sq += p.grad.double().pow(2).sum()
