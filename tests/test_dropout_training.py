@@ -15,8 +15,11 @@ What can be compared, and why:
 - Activation checkpointing recomputes dropout in backward; it must reuse the forward's mask, so the
   gradients of a checkpointed compile equal the non-checkpointed compile's with the same seed
   (atol 1e-6), and the backward graph really holds the recomputed random op.
-- ZeRO: each rank's compiled ZeRO graph draws its masks like a single-process compiled run seeded
+- ZeRO-3: each rank's compiled ZeRO graph draws its masks like a single-process compiled run seeded
   the same way, so 5 steps on 2 gloo ranks match one process running every rank's micro-batch.
+- Hugging Face GPT-2, BERT and OPT from their default configs (dropout 0.1), train() mode, under
+  the default lowering (the case that used to fail): GPT-2 equal to eager under eager's RNG, all
+  three with Inductor's RNG training from a first loss that is a dropout loss.
 """
 
 from __future__ import annotations
@@ -295,9 +298,8 @@ def _single_process_reference() -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @requires_backend("gloo")
-@pytest.mark.parametrize("stage", [2, 3])
-def test_dropout_with_zero_matches_single_process(stage: int) -> None:
-    results = run_distributed_or_fail(zero_dropout_rank, WORLD, stage, timeout=300)
+def test_dropout_with_zero3_matches_single_process() -> None:
+    results = run_distributed_or_fail(zero_dropout_rank, WORLD, 3, timeout=300)
     reference = _single_process_reference()
     for result in results:
         # fp32; the only difference is the order of the gradient reduction across ranks
@@ -333,16 +335,21 @@ def _hf_model(name: str) -> torch.nn.Module:
     return model.train()
 
 
+def _dropout_p(model: torch.nn.Module) -> float:
+    config = model.config
+    return max(float(getattr(config, key, 0.0) or 0.0) for key in ("resid_pdrop", "hidden_dropout_prob", "dropout"))
+
+
 def _hf_loss(model: Any, step: int) -> torch.Tensor:
     ids = torch.randint(2, 96, (2, 12), generator=torch.Generator().manual_seed(step))
     return model(input_ids=ids, labels=ids).loss
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "bert", "opt"])
-def test_hf_model_with_dropout_matches_eager_with_eager_rng(name: str) -> None:
-    base = _hf_model(name)
-    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in base.modules())
+def test_hf_gpt2_with_dropout_matches_eager_with_eager_rng() -> None:
+    """One HF model through the exact comparison (each costs an Inductor compile; the default-RNG test covers three)."""
+    base = _hf_model("gpt2")
+    assert base.config.resid_pdrop > 0 and base.config.attn_pdrop > 0
     eager, model = copy.deepcopy(base), copy.deepcopy(base)
     compiled = torch.compile(model, backend="dscompile")
     runs = ((eager, torch.optim.AdamW(eager.parameters(), lr=LR)), (compiled, torch.optim.AdamW(model.parameters(), lr=LR)))
@@ -365,6 +372,7 @@ def test_hf_model_trains_with_dropout_under_default_lowering(name: str) -> None:
     """What users run: Inductor's RNG. The first loss must be a dropout loss (within 4 standard
     deviations of eager's over 16 seeds, and not the eval loss); 5 steps on one batch must learn."""
     base = _hf_model(name)
+    assert _dropout_p(base) > 0, "the default config has dropout"
     with torch.no_grad():
         eager_losses = []
         for seed in range(16):
