@@ -56,9 +56,9 @@ def triton_decompositions() -> dict:
     from dscompile.backends.triton_kernels_cache import ensure_runnable
 
     ensure_runnable()  # before Inductor's import pulls in triton
-    from torch._inductor.decomposition import select_decomp_table
+    from dscompile.backends.inductor import inductor_decomposition_table
 
-    table = dict(select_decomp_table())
+    table = inductor_decomposition_table()
     table[aten.var_mean.correction] = _var_mean_decomposition
     for op in (aten.gelu.default, aten.silu.default):
         table.pop(op, None)

@@ -33,7 +33,6 @@ from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_extension import shard_optimizer
 from dscompile.runtime.zero_init import materialize
-from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
 
 if TYPE_CHECKING:
     from dscompile.runtime.pipeline_engine import PipelineEngine
@@ -280,3 +279,9 @@ def _maybe_init_distributed(required: bool | None, port: int | None) -> None:
     if port is not None:
         os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _zero_section(config: DSConfig) -> Any:
+    """The ``zero_optimization`` section when it asks for a stage above 0, else None."""
+    section = config.sections.get("zero_optimization")
+    return section if section is not None and section.stage > 0 else None

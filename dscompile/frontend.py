@@ -8,10 +8,11 @@ Dynamo graph. Each graph goes through: ``pre_autograd`` passes on the Dynamo gra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,28 @@ from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 log = logging.getLogger("dscompile.frontend")
 
 _GRAPH_COUNTER = itertools.count()
+
+ProgressFn = Callable[[str, str], None]
+_PROGRESS_LISTENERS: list[ProgressFn] = []
+
+
+@contextlib.contextmanager
+def compile_progress(listener: ProgressFn) -> Iterator[None]:
+    """Call ``listener(graph_name, phase)`` as each compile phase starts (the demo's progress line).
+
+    Phases: ``passes on the <kind> graph``, ``AOTAutograd: tracing forward and backward``,
+    ``partitioning``, ``lowering <kind> with <lowering>``, ``done <kind>``.
+    """
+    _PROGRESS_LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _PROGRESS_LISTENERS.remove(listener)
+
+
+def _progress(graph_name: str, phase: str) -> None:
+    for listener in list(_PROGRESS_LISTENERS):
+        listener(graph_name, phase)
 
 
 def resolve_lowering(name: str | None) -> str:
@@ -50,6 +73,7 @@ class GraphCompiler:
         self.lowering_name = resolve_lowering(pipeline_lowering(invocations))
         self.lowering = get_lowering(self.lowering_name)
         check_mode(mode, self.lowering_name)
+        self.decompositions = self.lowering.decompositions()
         self.manager = PassManager(self.invocations, debug=config.debug, dumper=dumper)
         self.dumper = dumper
         # With a dump, names follow the directory (graph_0, graph_1, ... per dump), else the process.
@@ -76,9 +100,12 @@ class GraphCompiler:
         self.param_names = _parameter_names(gm, example_inputs)
         _annotate_parameters(gm, self.param_names)
         lifted_before = len(lifted_tensors(gm))
+        _progress(self.graph_name, "passes on the Dynamo graph")
         gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
         self.param_names = _shift_for_lifted(gm, lifted_before, self.param_names)
         from torch._functorch.aot_autograd import aot_module_simplified
+
+        _progress(self.graph_name, "AOTAutograd: tracing forward and backward")
 
         compiled = aot_module_simplified(
             gm,
@@ -87,7 +114,7 @@ class GraphCompiler:
             bw_compiler=functools.partial(self._compile_graph, "backward", False),
             inference_compiler=functools.partial(self._compile_graph, "forward", True),
             partition_fn=self._partition,
-            decompositions=self.lowering.decompositions(),
+            decompositions=self.decompositions,
             keep_inference_input_mutations=True,
         )
         return compiled
@@ -97,7 +124,12 @@ class GraphCompiler:
 
         ctx = self.context("joint", joint_inputs, num_fwd_outputs=num_fwd_outputs)
         _annotate_parameters(joint, self.param_names)
+        _progress(self.graph_name, "passes on the joint graph")
         joint = self.manager.run(joint, ctx)
+        if self.lowering.prepare_joint is not None:
+            _progress(self.graph_name, f"{self.lowering_name}: joint-graph passes")
+            joint = self.lowering.prepare_joint(joint, joint_inputs)
+        _progress(self.graph_name, "partitioning")
         partition = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
         # A joint pass may choose its own partitioner (same signature as AOTAutograd's).
         partition = self.analysis.get("partition_fn", partition)
@@ -109,8 +141,17 @@ class GraphCompiler:
             ctx.graph_name = f"{self.graph_name}.inference"
         if kind == "forward":
             _annotate_parameters(gm, self.param_names)
+        label = "inference" if inference else kind
+        if inference and self.lowering.prepare_joint is not None:
+            gm = self.lowering.prepare_joint(gm, example_inputs)  # no joint graph: the forward stands in for it
+        _progress(self.graph_name, f"passes on the {label} graph")
         gm = self.manager.run(gm, ctx)
+        from dscompile.backends.decompose import decompose_leftovers
+
+        decompose_leftovers(gm, self.decompositions)  # ops passes inserted after AOTAutograd's decomposition
+        _progress(self.graph_name, f"lowering the {label} graph with {self.lowering_name}")
         compiled = self.lowering.compile(gm, example_inputs, ctx)
+        _progress(self.graph_name, f"done: {label} graph")
         # A pass may wrap the lowered graph (``zero_profile`` times the first steps op by op).
         wrap = self.analysis.get("wrap_lowered", {}).pop(ctx.graph_name, None)
         compiled = wrap(gm, compiled) if wrap is not None else compiled

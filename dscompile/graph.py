@@ -6,6 +6,7 @@ PyTorch's own metadata (``meta["val"]``, ``meta["recompute"]``).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -89,6 +90,8 @@ def lint_graph(gm: torch.fx.GraphModule, pass_name: str) -> None:
         if node.op in ("call_function", "call_method", "call_module", "placeholder"):
             if node.op == "call_function" and not node.users and not isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
                 continue  # a call Dynamo kept for its side effect (HF Llama's torch._C._log_api_usage_once): no value to describe
+            if node.target is operator.setitem:
+                continue  # in-place index assignment (T5's shift_right) returns None: Dynamo records no value
             if "val" not in node.meta and "example_value" not in node.meta:
                 raise DSCompilePassError(
                     f"pass '{pass_name}' created node '{node.name}' ({op_name(node)}) without meta['val']; set it from the fake value of the new computation"

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.fx
 
@@ -186,13 +185,13 @@ class GraphFacts:
     """Per compute node (in order): FLOPs, memory, layer; per boundary: bytes crossing, validity."""
 
     nodes: list[torch.fx.Node]
-    flops: np.ndarray
-    memory: np.ndarray
+    flops: torch.Tensor  # float64, one per node (torch, not numpy: numpy is no dependency of dscompile)
+    memory: torch.Tensor
     layers: list[str]
     layer_types: dict[str, str]
-    param_count: np.ndarray
-    cut_bytes: np.ndarray  # cut_bytes[i]: bytes of values crossing the boundary in front of node i
-    cut_valid: np.ndarray
+    param_count: torch.Tensor
+    cut_bytes: torch.Tensor  # cut_bytes[i]: bytes of values crossing the boundary in front of node i
+    cut_valid: torch.Tensor  # bool
     markers: list[int]  # boundaries where a pipeline_split() marker stood
 
 
@@ -207,9 +206,9 @@ def graph_facts(gm: torch.fx.GraphModule, param_nodes: set[torch.fx.Node], strip
             nodes.append(node)
     index = {node: i for i, node in enumerate(nodes)}
     n = len(nodes)
-    flops = np.zeros(n)
-    memory = np.zeros(n)
-    params = np.zeros(n)
+    flops = torch.zeros(n, dtype=torch.float64)
+    memory = torch.zeros(n, dtype=torch.float64)
+    params = torch.zeros(n, dtype=torch.float64)
     layers: list[str] = []
     layer_types: dict[str, str] = {}
     seen_params: set[torch.fx.Node] = set()
@@ -235,8 +234,8 @@ def graph_facts(gm: torch.fx.GraphModule, param_nodes: set[torch.fx.Node], strip
         first = next((name for name in layers if name), "")
         layers = [name or first for name in layers]
     # bytes crossing each boundary: values made before it and used after it
-    diff = np.zeros(n + 2)
-    valid = np.ones(n + 1, dtype=bool)
+    diff = torch.zeros(n + 2, dtype=torch.float64)
+    valid = torch.ones(n + 1, dtype=torch.bool)
     for node in gm.graph.nodes:
         if node.op not in _COMPUTE_OPS or node not in index:
             continue
@@ -250,7 +249,7 @@ def graph_facts(gm: torch.fx.GraphModule, param_nodes: set[torch.fx.Node], strip
         diff[last + 1] -= _value_bytes(node)
         if not _is_plain_tensor(node):
             valid[start : last + 1] = False  # tuples, sizes and None cannot travel between ranks
-    cut_bytes = np.cumsum(diff)[: n + 1]
+    cut_bytes = torch.cumsum(diff, 0)[: n + 1]
     valid[0] = valid[n] = True
     return GraphFacts(nodes, flops, memory, layers, layer_types, params, cut_bytes, valid, markers)
 
@@ -258,6 +257,9 @@ def graph_facts(gm: torch.fx.GraphModule, param_nodes: set[torch.fx.Node], strip
 # ---------------------------------------------------------------------------------------------
 # The min-max partition (exact dynamic programming)
 # ---------------------------------------------------------------------------------------------
+_DP_BLOCK = 256  # run ends handled together: a (units + 1) x 256 float64 matrix per step
+
+
 def min_max_partition(unit_costs: Sequence[float], cut_costs: Sequence[float], stages: int) -> list[int]:
     """Cut ``units`` into ``stages`` non-empty contiguous runs minimising the largest run cost.
 
@@ -266,33 +268,38 @@ def min_max_partition(unit_costs: Sequence[float], cut_costs: Sequence[float], s
     Returns the ``stages + 1`` boundaries ``[0, c1, ..., n]``. Exact: dp[s][j] is the best
     largest cost of ``s`` runs covering the first ``j`` units; ties prefer smaller total cost.
     """
-    costs = np.asarray(unit_costs, dtype=float)
+    costs = torch.as_tensor(unit_costs, dtype=torch.float64).reshape(-1)
     n = len(costs)
     if stages < 1 or stages > n:
         raise ValueError(f"cannot cut {n} units into {stages} non-empty stages")
-    cuts = np.asarray(cut_costs, dtype=float).copy()
+    cuts = torch.as_tensor(cut_costs, dtype=torch.float64).reshape(-1).clone()
     cuts[0] = cuts[n] = 0.0
-    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(costs, 0)])
     inf = float("inf")
-    best = np.full((stages + 1, n + 1), inf)
-    total = np.full((stages + 1, n + 1), inf)
-    choice = np.zeros((stages + 1, n + 1), dtype=int)
+    best = torch.full((stages + 1, n + 1), inf, dtype=torch.float64)
+    total = torch.full((stages + 1, n + 1), inf, dtype=torch.float64)
+    choice = torch.zeros((stages + 1, n + 1), dtype=torch.long)
     best[0, 0] = 0.0
     total[0, 0] = 0.0
+    starts = torch.arange(n + 1)
     for s in range(1, stages + 1):
-        for j in range(s, n + 1):
-            i = np.arange(s - 1, j)
-            run = prefix[j] - prefix[i] + cuts[i] + cuts[j]
-            worst = np.maximum(best[s - 1, i], run)
-            tot = total[s - 1, i] + run
-            if not np.isfinite(worst).any():
-                continue
-            lowest = worst.min()
-            # among (near-)optimal choices pick the one with the smallest total cost
-            near = np.flatnonzero(worst <= lowest * (1 + 1e-12) + 1e-300)
-            k = near[np.argmin(tot[near])]
-            best[s, j], total[s, j], choice[s, j] = worst[k], tot[k], i[k]
-    if not np.isfinite(best[stages, n]):
+        # every run end j at once (in column blocks to bound memory): rows are run starts i < j
+        for lo in range(s, n + 1, _DP_BLOCK):
+            ends = torch.arange(lo, min(lo + _DP_BLOCK, n + 1))
+            run = prefix[ends][None, :] - prefix[:, None] + cuts[:, None] + cuts[ends][None, :]
+            allowed = (starts[:, None] >= s - 1) & (starts[:, None] < ends[None, :])
+            worst = torch.where(allowed, torch.maximum(best[s - 1][:, None], run), inf)
+            tot = torch.where(allowed, total[s - 1][:, None] + run, inf)
+            lowest = worst.min(dim=0).values
+            # among (near-)optimal starts pick the one with the smallest total cost (first on ties)
+            near = worst <= lowest * (1 + 1e-12) + 1e-300
+            k = torch.where(near, tot, inf).argmin(dim=0)
+            reachable = torch.isfinite(lowest)
+            cols = ends[reachable]
+            best[s, cols] = worst[k, ends - lo][reachable]
+            total[s, cols] = tot[k, ends - lo][reachable]
+            choice[s, cols] = k[reachable]
+    if not torch.isfinite(best[stages, n]):
         raise ValueError(f"no valid way to cut the graph into {stages} stages (every boundary is forbidden)")
     bounds = [n]
     j = n
@@ -325,11 +332,11 @@ class PartitionPlan:
         raise IndexError(index)
 
 
-def _objective(facts: GraphFacts, memory_weight: float, flops_per_byte: float) -> tuple[np.ndarray, np.ndarray]:
+def _objective(facts: GraphFacts, memory_weight: float, flops_per_byte: float) -> tuple[torch.Tensor, torch.Tensor]:
     total_flops = max(float(facts.flops.sum()), 1.0)
     total_memory = max(float(facts.memory.sum()), 1.0)
     units = facts.flops / total_flops + memory_weight * facts.memory / total_memory
-    cuts = np.where(facts.cut_valid, flops_per_byte * facts.cut_bytes / total_flops, np.inf)
+    cuts = torch.where(facts.cut_valid, flops_per_byte * facts.cut_bytes / total_flops, float("inf"))
     return units, cuts
 
 
@@ -400,18 +407,18 @@ def plan_partition(
                 "use partition_method 'cost' (cuts inside layers) or fewer stages",
             )
         if method == "uniform":
-            weights = np.ones(len(runs))
+            weights = torch.ones(len(runs), dtype=torch.float64)
         elif method == "parameters":
-            weights = np.array([facts.param_count[a:b].sum() for a, b, _ in runs], dtype=float)
+            weights = torch.tensor([float(facts.param_count[a:b].sum()) for a, b, _ in runs], dtype=torch.float64)
         else:
             pattern = re.compile(method[5:], re.IGNORECASE)
-            weights = np.array([1.0 if pattern.search(facts.layer_types.get(layer, "")) else 0.0 for _, _, layer in runs])
+            weights = torch.tensor([1.0 if pattern.search(facts.layer_types.get(layer, "")) else 0.0 for _, _, layer in runs], dtype=torch.float64)
             if not weights.any():
                 classes = sorted(set(facts.layer_types.values()))
                 raise DSCompileConfigError("pipeline.partition_method", f"no layer class matches {method[5:]!r}; layer classes: {classes}")
         # ties between equal-weight splits are broken by the cost model (a tiny second term)
-        tie = np.array([units[a:b].sum() for a, b, _ in runs]) * 1e-6
-        layer_bounds = min_max_partition(weights + tie, np.zeros(len(runs) + 1), stages)
+        tie = torch.tensor([float(units[a:b].sum()) for a, b, _ in runs], dtype=torch.float64) * 1e-6
+        layer_bounds = min_max_partition(weights + tie, torch.zeros(len(runs) + 1, dtype=torch.float64), stages)
         bounds = [runs[k][0] if k < len(runs) else n for k in layer_bounds]
     if len(bounds) - 1 != stages:
         raise DSCompileConfigError("pipeline.stages", f"the model's split markers / split points make {len(bounds) - 1} stages, config asks for {stages}")
@@ -419,7 +426,7 @@ def plan_partition(
     memory = [float(facts.memory[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
     params = [int(facts.param_count[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
     crossing = [int(facts.cut_bytes[b]) for b in bounds[1:-1]]
-    cuts0 = np.where(np.isfinite(cuts), cuts, 0.0)
+    cuts0 = torch.where(torch.isfinite(cuts), cuts, 0.0)
     objective = [float(units[a:b].sum() + (cuts0[a] if a else 0.0) + (cuts0[b] if b < n else 0.0)) for a, b in zip(bounds, bounds[1:])]
     return PartitionPlan(method, list(bounds), flops, memory, params, crossing, objective)
 

@@ -25,3 +25,13 @@ def _fresh_dynamo():
 
 def pytest_configure(config):
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped, with the reason, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu); bench/gpu_check.py runs these on a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

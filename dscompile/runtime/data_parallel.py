@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.runtime.comm_stats import tensor_bytes
+from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, GradientStrategy, world_info
 
 
@@ -89,7 +90,11 @@ class DataParallelGradients(GradientStrategy):
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             **engine.core_state_dict(client_state),
             "world_size": self.world_size,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "devices": capture_rng(accelerator_devices(self.module.parameters())).to_dict(),  # dropout on a GPU draws from these
+            },
         }
         torch.save(state, directory / MODEL_STATES)
 
@@ -103,5 +108,7 @@ class DataParallelGradients(GradientStrategy):
                 engine.optimizer.load_state_dict(state["optimizer"])
             engine.load_core_state_dict(state, load_lr_scheduler_states)
             torch.set_rng_state(state["rng"]["torch"])
+            if "devices" in state["rng"]:
+                restore_rng(RngState.from_dict(state["rng"]["devices"]))
             random.setstate(state["rng"]["python"])
         return state["client_state"]

@@ -102,6 +102,7 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.comm_stats import CommStats, collecting
+from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, log_every
 
 log = logging.getLogger("dscompile.engine")
@@ -227,7 +228,7 @@ def world_info() -> tuple[int, int]:
 
 def _agree_any(flag: bool, group: Any = None) -> bool:
     """True on every rank when ``flag`` is True on any rank: overflow agreement (one scalar all-reduce, MAX)."""
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())  # NCCL needs it on the GPU
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
 

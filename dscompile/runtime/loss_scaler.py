@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import EngineCore, EngineExtension
 
 log = logging.getLogger("dscompile.runtime.loss_scaler")
@@ -56,8 +57,7 @@ def grads_overflow(parameters: Iterable[nn.Parameter], group: Any = None) -> boo
         norms = torch._foreach_norm(grads, float("inf"))  # inf or NaN anywhere makes the max-norm non-finite
         flag = (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float()
     if dist.is_available() and dist.is_initialized():
-        if flag.device.type == "cpu" and dist.get_backend(group) == "nccl":
-            flag = flag.cuda()
+        flag = flag.to(collective_device(group, like=flag))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item() > 0)
 

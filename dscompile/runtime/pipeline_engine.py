@@ -46,6 +46,7 @@ from torch import nn
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.comm_stats import collecting
+from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
 from dscompile.runtime.engine_core import LATEST, EngineCore, params_or_error, world_info
 from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forward_only
 from dscompile.runtime.pipeline_gradients import PipelineGradients
@@ -145,7 +146,7 @@ class GraphStageRunner:
         if not torch.is_grad_enabled():
             return list(self.fn(*inputs))
         if self.checkpoint:
-            rng = torch.get_rng_state()
+            rng = capture_rng(accelerator_devices(inputs))  # CPU and the inputs' GPU generators
             with torch.no_grad():
                 outputs = list(self.fn(*_writable(inputs, every_tensor=True)))
             self.saved[micro_batch] = (inputs, None, rng)
@@ -157,8 +158,8 @@ class GraphStageRunner:
     def backward(self, micro_batch: int, output_grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         inputs, outputs, rng = self.saved.pop(micro_batch)
         if outputs is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(rng)
+            with forked_rng(list(rng.devices)):
+                restore_rng(rng)
                 outputs = list(self.fn(*_writable(inputs, every_tensor=False)))
         pairs = [(o, g) for o, g in zip(outputs, output_grads) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
@@ -397,7 +398,7 @@ class PipelineEngine(EngineCore):
             dist.barrier()
         begin = time.perf_counter()
         actions = [a for a in build_schedule(self.pcfg.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)]
-        p2p = P2P(self.global_rank)
+        p2p = P2P(self.global_rank, self._comm_device())
         self._hook("before_forward")
         # The last stage seeds backward with d(loss / micro_batches)/d(loss), times the loss scale (fp16).
         seed = self.loss_gradient_seed(1.0 / self.micro_batches)
@@ -421,7 +422,7 @@ class PipelineEngine(EngineCore):
         """Forward only over ``micro_batches`` micro-batches; the mean loss (same on every rank)."""
         batches = self._fetch(data_iter)
         self._ensure_built(batches)
-        p2p = P2P(self.global_rank)
+        p2p = P2P(self.global_rank, self._comm_device())
         self._hook("before_forward")
         with collecting(self.comm_stats):
             losses = run_forward_only(
@@ -430,8 +431,12 @@ class PipelineEngine(EngineCore):
         self._hook("after_forward")
         return self._mean_loss(losses)
 
+    def _comm_device(self) -> torch.device:
+        """Where this rank's activations, gradients and reductions travel: its parameters' device if the backend serves it."""
+        return collective_device(like=self._params[0] if self._params else None)
+
     def _mean_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self._comm_device())
         if losses:
             total = torch.stack([losses[i].double() for i in sorted(losses)]).mean()
         if self.world_size > 1:

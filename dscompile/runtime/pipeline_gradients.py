@@ -20,6 +20,7 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.comm_stats import tensor_bytes
+from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy
 
 
@@ -120,7 +121,7 @@ class PipelineGradients(GradientStrategy):
             members = dist.get_process_group_ranks(group) if group is not None else [self.global_rank]
             if self.global_rank != min(members):
                 skip.update(id(p) for p in tied)
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=collective_device(like=self.params[0] if self.params else None))
         for p in self.params:
             if p.grad is not None and id(p) not in skip:
                 sq += p.grad.double().pow(2).sum()

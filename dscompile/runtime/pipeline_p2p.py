@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dscompile.runtime import comm_stats
+from dscompile.runtime.devices import collective_device
 
 ACTIVATION, GRADIENT = 0, 1
 _MAX_STAGES, _MAX_OUTPUTS, _MAX_MICRO = 64, 64, 1024
@@ -32,7 +33,8 @@ class P2P:
 
     def __init__(self, rank: int, device: torch.device | None = None) -> None:
         self.rank = rank
-        self.device = device or torch.device("cpu")
+        # receive buffers (and the gradients the executor makes) live where the backend needs them
+        self.device = device or collective_device()
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._local: dict[int, torch.Tensor] = {}
         self.bytes_sent = 0

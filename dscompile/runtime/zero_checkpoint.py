@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from dscompile.errors import DSCompileError
+from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 LATEST = "latest"
@@ -62,7 +63,8 @@ def save(engine: Any, directory: Path, client_state: dict | None) -> None:
             "shards": [s.detach().clone() for s in zero.shards],
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             "optimizer_order": _optimizer_order(engine.optimizer, zero.shards),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "devices": capture_rng(accelerator_devices(zero.shards)).to_dict()},
         },
         shard_file(directory, zero.rank),
     )
@@ -157,6 +159,8 @@ def load(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_sche
             rng_source = torch.load(shard_file(directory, zero.rank), map_location="cpu", weights_only=False)
         if rng_source is not None:
             torch.set_rng_state(rng_source["rng"]["torch"])
+            if "devices" in rng_source["rng"]:
+                restore_rng(RngState.from_dict(rng_source["rng"]["devices"]))
             random.setstate(rng_source["rng"]["python"])
     return meta["client_state"]
 

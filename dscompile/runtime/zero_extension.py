@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError, DSCompileError
+from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, GradientStrategy, params_or_error
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure, model_state_tensors
 
@@ -103,7 +104,7 @@ class ZeroGradients(GradientStrategy):
     def _refuse_unused(self) -> None:
         zero = self.partition
         holders = zero.full_params if zero.stage == 1 else zero.shards
-        missing = torch.tensor([1 if t.grad is None else 0 for t in holders], dtype=torch.int32)
+        missing = torch.tensor([1 if t.grad is None else 0 for t in holders], dtype=torch.int32, device=collective_device(like=holders[0] if holders else None))
         if zero.world > 1:
             dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=zero.group)  # every rank raises, none hangs
         names = [layout.name for layout, flag in zip(zero.layouts, missing.tolist()) if flag]

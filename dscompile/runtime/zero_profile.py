@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import EngineExtension
 
 log = logging.getLogger("dscompile.runtime.zero_profile")
@@ -172,11 +173,12 @@ def _values(runs: Sequence[GraphRun], memory_limit: int | None) -> list[float]:
 
 def agree(runs: list[GraphRun], memory_limit: int | None, group: dist.ProcessGroup | None = None) -> AgreedProfile | None:
     """Max of every measurement over the ranks; None on every rank when their collectives differ."""
-    structure = torch.tensor(_structure(runs), dtype=torch.int64)
-    values = torch.tensor(_values(runs, memory_limit), dtype=torch.float64)
+    device = collective_device(group)  # NCCL: the GPU; gloo: the CPU
+    structure = torch.tensor(_structure(runs), dtype=torch.int64, device=device)
+    values = torch.tensor(_values(runs, memory_limit), dtype=torch.float64, device=device)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return _unpack(runs, values)
-    sizes = torch.tensor([structure.numel(), values.numel(), -structure.numel(), -values.numel()], dtype=torch.int64)
+    sizes = torch.tensor([structure.numel(), values.numel(), -structure.numel(), -values.numel()], dtype=torch.int64, device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     if int(sizes[0]) != -int(sizes[2]) or int(sizes[1]) != -int(sizes[3]):
         return None  # every rank sees the mismatch in the same all_reduce result

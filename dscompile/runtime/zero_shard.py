@@ -27,6 +27,7 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError, DSCompileError
 from dscompile.runtime import zero_ops
+from dscompile.runtime.devices import collective_device
 
 OUT_OF_GRAPH_BUCKET_CAP = 64 << 20
 """Largest flat buffer (bytes) the eager gather/reduce of ZeRO-1/2 builds at once."""
@@ -317,7 +318,8 @@ class ZeroPartition:
     def grad_norm_squared(self) -> torch.Tensor:
         """Sum of squares of this rank's shard gradients, summed over ranks (the global norm²)."""
         grads = [s.grad.detach().float() for s in self.shards if s.grad is not None]
-        local = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        device = collective_device(self.group, like=self.shards[0])
+        local = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
         if self.world > 1:
             dist.all_reduce(local, group=self.group)
         return local
@@ -335,9 +337,10 @@ def check_same_parameters(named: list[tuple[str, torch.Tensor]], group: dist.Pro
     with torch.no_grad():
         prints = []
         for _, p in named:
-            flat = p.detach().reshape(-1).double()
-            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(7).add_(1)
-            prints.append(torch.stack([flat.sum(), (flat * weights).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64)]))
+            flat = p.detach().reshape(-1).double().to(collective_device(group, like=p))
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device).remainder_(7).add_(1)
+            count = torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device)
+            prints.append(torch.stack([flat.sum(), (flat * weights).sum(), count]))
         mine = torch.stack(prints)
         world = dist.get_world_size(group)
         gathered = [torch.empty_like(mine) for _ in range(world)]
