@@ -30,6 +30,7 @@ from torch import nn
 
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.checkpoint_io import CheckpointReader, CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
@@ -291,18 +292,8 @@ class DSCompileEngine(nn.Module):
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True) -> Path:
         """Write ``save_dir/tag/mp_rank_00_model_states.pt`` (module, optimizer, scheduler, counters, RNG)."""
         tag = tag or f"global_step{self.global_steps}"
-        directory = Path(save_dir) / str(tag)
-        if self.zero is not None:
-            from dscompile.runtime import zero_checkpoint
-
-            zero_checkpoint.save(self, directory, client_state)
-            if self.world_size > 1:
-                dist.barrier()
-            if save_latest and self.rank == 0:
-                (Path(save_dir) / LATEST).write_text(str(tag))
-            return directory
-        if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
+        state = None
+        if self.zero is None and self.rank == 0:
             state = {
                 "module": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
@@ -316,12 +307,15 @@ class DSCompileEngine(nn.Module):
                 "world_size": self.world_size,
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             }
-            torch.save(state, directory / MODEL_STATES)
-            if save_latest:
-                (Path(save_dir) / LATEST).write_text(str(tag))
-        if self.world_size > 1:
-            dist.barrier()
-        return directory
+        # Every rank writes into a staging directory; committed (manifest, rename, 'latest' last) only when all succeeded.
+        with CheckpointWriter(save_dir, str(tag), save_latest=save_latest) as ckpt:
+            if self.zero is not None:
+                from dscompile.runtime import zero_checkpoint
+
+                zero_checkpoint.save(self, ckpt, client_state)
+            elif state is not None:
+                ckpt.save(state, MODEL_STATES)
+        return ckpt.directory
 
     def load_checkpoint(
         self,
@@ -339,15 +333,13 @@ class DSCompileEngine(nn.Module):
                 log.warning("no 'latest' file in %s: nothing loaded (pass tag= to pick a checkpoint)", load_dir)
                 return None, None
             tag = latest.read_text().strip()
-        path = load_dir / str(tag) / MODEL_STATES
-        if self.zero is not None and path.is_file():
-            from dscompile.runtime import zero_checkpoint
+        directory = resolve_checkpoint_dir(load_dir, tag)  # says which tags exist when this one does not
+        from dscompile.runtime import zero_checkpoint
 
-            client = zero_checkpoint.load(self, path.parent, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-            return str(path.parent), client
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} does not exist; tags here: {sorted(p.name for p in load_dir.iterdir() if p.is_dir())}")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        if self.zero is not None or zero_checkpoint.checkpoint_kind(directory) != "dscompile-full":  # ZeRO, DeepSpeed's, re-layout
+            return str(directory), zero_checkpoint.load_into(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        path = directory / MODEL_STATES
+        state = CheckpointReader(directory).load(MODEL_STATES)  # verified against the checkpoint's manifest
         self.module.load_state_dict(state["module"])
         if not load_module_only:
             if load_optimizer_states and self.optimizer is not None and state["optimizer"] is not None:
