@@ -214,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--lower", choices=("eager", "inductor", "triton"), default=None)
     demo.set_defaults(func=cmd_demo)
-    z2f = sub.add_parser("zero-to-fp32", help="consolidate ZeRO checkpoint shards into one fp32 state_dict: CKPT OUT [--tag TAG]")
+    z2f = sub.add_parser(
+        "zero-to-fp32", help="consolidate a ZeRO checkpoint (dscompile's or DeepSpeed's) into one fp32 state_dict: CKPT OUT [--tag TAG]"
+    )
     z2f.add_argument("rest", nargs=argparse.REMAINDER)
     z2f.set_defaults(func=cmd_zero_to_fp32)
     return parser

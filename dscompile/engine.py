@@ -33,7 +33,7 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointReader, CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
-from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure
+from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, collective_failures_explained, explain_collective_failure
 
 if TYPE_CHECKING:
     from dscompile.runtime.pipeline_engine import PipelineEngine
@@ -150,9 +150,9 @@ class DSCompileEngine(nn.Module):
             return self._compiled(*args, **kwargs)
 
     def _explain_collective_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Under multi-rank ZeRO a failed collective means a dead, stalled or diverged peer: say so."""
-        if self.zero is not None and self.world_size > 1:
-            return explain_collective_failure(self.rank, what)
+        """On several ranks a failed collective means a dead, stalled or diverged peer: say so."""
+        if self.world_size > 1:
+            return explain_collective_failure(self.rank, f"{'ZeRO' if self.zero is not None else 'data-parallel'} {what}")
         return contextlib.nullcontext()
 
     @property
@@ -174,6 +174,7 @@ class DSCompileEngine(nn.Module):
             scaled.backward()
         return loss
 
+    @collective_failures_explained("engine.step()")
     def step(self) -> None:
         """At an accumulation boundary: average gradients, clip, step the optimizer and scheduler."""
         boundary = self.is_gradient_accumulation_boundary()

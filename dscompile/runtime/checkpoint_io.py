@@ -165,22 +165,32 @@ class CheckpointWriter:
         self.records: list[FileRecord] = []
 
     # -- collectives (no-ops on one process) ---------------------------------------------------
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier(group=self.group)
+    @contextlib.contextmanager
+    def _peers(self) -> Iterator[None]:
+        """A collective of the save failing means another rank died or stalled while saving: say so."""
+        try:
+            yield
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"checkpoint {self.directory} not saved: rank {self.rank} lost contact with another rank during save_checkpoint "
+                f"(it died, or stalled past the process group timeout); the previous checkpoints and '{LATEST}' are unchanged. "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def _all_gather(self, value: Any) -> list[Any]:
         if self.world == 1:
             return [value]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
+        with self._peers():
+            dist.all_gather_object(out, value, group=self.group)
         return out
 
     def _from_rank0(self, value: Any) -> Any:
         if self.world == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        with self._peers():
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
         return box[0]
 
     # -- protocol ------------------------------------------------------------------------------
@@ -274,13 +284,13 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike, tag: str | None) -> Path
     if tag is None:
         tag = read_latest(root)
         if tag is None:
-            raise CheckpointError(f"{root} has no '{LATEST}' file naming a checkpoint; pass tag= (tags here: {available_tags(root) or 'none'})")
+            raise CheckpointError(f"{root} has no '{LATEST}' file naming a checkpoint; pass tag= (tags here: {', '.join(available_tags(root)) or 'none'})")
     directory = root / str(tag)
     if not directory.is_dir():
         hint = ""
         if (root / f".{tag}.replaced").is_dir():
             hint = f"; a save replacing it was interrupted: the previous version is {root / f'.{tag}.replaced'} (rename it to {tag})"
-        raise CheckpointError(f"checkpoint {directory} does not exist (tags here: {available_tags(root) or 'none'}){hint}")
+        raise CheckpointError(f"checkpoint {directory} does not exist (tags here: {', '.join(available_tags(root)) or 'none'}){hint}")
     return directory
 
 

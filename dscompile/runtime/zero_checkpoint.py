@@ -27,7 +27,15 @@ from typing import Any
 
 import torch
 
-from dscompile.runtime.checkpoint_io import MANIFEST, CheckpointCorruptError, CheckpointError, CheckpointReader, CheckpointWriter, read_latest
+from dscompile.runtime.checkpoint_io import (
+    MANIFEST,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    atomic_save,
+    read_latest,
+)
 
 log = logging.getLogger("dscompile.zero_checkpoint")
 
@@ -465,16 +473,22 @@ def zero_to_fp32(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dscompile zero-to-fp32 CKPT OUT [--tag TAG]``: write the consolidated fp32 state_dict to OUT."""
-    parser = argparse.ArgumentParser(prog="dscompile zero-to-fp32", description="Consolidate a ZeRO checkpoint into one fp32 state_dict file.")
+    parser = argparse.ArgumentParser(
+        prog="dscompile zero-to-fp32", description="Consolidate a ZeRO checkpoint (dscompile's or DeepSpeed's) into one fp32 state_dict file."
+    )
     parser.add_argument("checkpoint", help="the save directory (with 'latest') or one tag directory")
     parser.add_argument("output", help="where to write the state_dict (torch.save)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     args = parser.parse_args(list(argv) if argv is not None else None)
     state = zero_to_fp32(args.checkpoint, args.tag)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, args.output)
+    out = Path(args.output)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save(state, out)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {out}: {exc}") from None
     numel = sum(v.numel() for v in {id(v): v for v in state.values()}.values())
-    print(f"wrote {len(state)} tensors ({numel:,} elements) to {args.output}")
+    print(f"wrote {len(state)} tensors ({numel:,} elements) to {out}")
     return 0
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,10 +275,11 @@ _PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer"
 
 @contextlib.contextmanager
 def explain_collective_failure(rank: int, what: str) -> Iterator[None]:
-    """Re-raise a failed collective as what it almost always means under ZeRO: a peer died, stalled or diverged.
+    """Re-raise a failed collective as what it almost always means: a peer died, stalled or diverged.
 
-    The collective itself fails on its own (a closed connection at once, a stalled peer at the
-    process group's ``timeout``); this only names the likely cause and where to look.
+    ``what`` names the operation (``"ZeRO forward"``, ``"engine.step()"``). The collective itself
+    fails on its own (a closed connection at once, a stalled peer at the process group's
+    ``timeout``); this only names the likely cause and where to look.
     """
     try:
         yield
@@ -288,10 +289,26 @@ def explain_collective_failure(rank: int, what: str) -> Iterator[None]:
         ):
             raise
         raise DSCompileError(
-            f"ZeRO {what} on rank {rank}: a collective failed, so another rank died, stalled past the process group "
+            f"{what} on rank {rank}: a collective failed, so another rank died, stalled past the process group "
             f"timeout (init_process_group(timeout=...)), or issued different collectives; the first error in the other "
             f"ranks' logs is the cause. {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def collective_failures_explained(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Method decorator for engines (``world_size`` and ``rank`` or ``global_rank``): ``explain_collective_failure`` around the call."""
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self, "world_size", 1) <= 1:
+                return fn(self, *args, **kwargs)
+            with explain_collective_failure(getattr(self, "rank", getattr(self, "global_rank", 0)), what):
+                return fn(self, *args, **kwargs)
+
+        return run
+
+    return decorator
 
 
 class ZeroModule(nn.Module):
