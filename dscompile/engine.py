@@ -33,7 +33,7 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointReader, CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
-from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, collective_failures_explained, explain_collective_failure
+from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, collective_failures_explained, explain_collective_failure, run_agreeing
 
 if TYPE_CHECKING:
     from dscompile.runtime.pipeline_engine import PipelineEngine
@@ -132,7 +132,9 @@ class DSCompileEngine(nn.Module):
         zc = self.zero_config
         threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
         itemsize = next(self.module.parameters()).element_size()
-        self.zero = ZeroPartition(self.module, zc.stage, None, threshold, bucket_bytes=zc.reduce_bucket_size * itemsize)
+        self.zero = ZeroPartition(
+            self.module, zc.stage, None, threshold, bucket_bytes=zc.reduce_bucket_size * itemsize, ignore_unused_parameters=zc.ignore_unused_parameters
+        )
         if zc.stage >= 2:
             self.zero_module = ZeroModule(self.module, self.zero)
         if self.optimizer is not None:
@@ -147,7 +149,7 @@ class DSCompileEngine(nn.Module):
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._explain_collective_failure("forward"):
-            return self._compiled(*args, **kwargs)
+            return run_agreeing(self._compiled, self.zero_module, args, kwargs)  # ranks whose ZeRO graphs differ: fall back
 
     def _explain_collective_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
         """On several ranks a failed collective means a dead, stalled or diverged peer: say so."""
@@ -187,6 +189,8 @@ class DSCompileEngine(nn.Module):
         if self.zero is not None:
             if self.zero.stage == 1:
                 self.zero.reduce_gradients()  # ZeRO-1: the only gradient communication, once per batch
+            else:
+                self.zero.check_unused()  # ignore_unused_parameters: false
         elif self.world_size > 1:
             self._average_gradients(params)
         overflow = self.loss_scaler.unscale_and_check(params) if self.loss_scaler is not None else False
@@ -271,22 +275,38 @@ class DSCompileEngine(nn.Module):
                 dist.broadcast(tensor, src=0)
 
     def _average_gradients(self, params: list[nn.Parameter]) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
+        """All-reduce every trainable gradient in one flat buffer, the same layout on every rank.
+
+        A parameter that got no gradient on a rank (a branch taken elsewhere) contributes zeros
+        there; a count of the ranks that had one travels in the same buffer, so a parameter no rank
+        used keeps ``grad=None`` (skipped by the optimizer, as in PyTorch).
+        """
+        from dscompile.runtime.zero_shard import check_unused_parameters
+
+        if not params:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype)])
         if self.communication_data_type is not None:
             flat = flat.to(self.communication_data_type)  # copied back into each gradient's dtype below
+        values = flat[: -len(params)]
         if self.config.prescale_gradients:
-            flat /= self.world_size
+            values /= self.world_size
         elif self.config.gradient_predivide_factor != 1.0:
-            flat /= self.config.gradient_predivide_factor
+            values /= self.config.gradient_predivide_factor
         dist.all_reduce(flat)
         if not self.config.prescale_gradients:
-            flat /= self.world_size / self.config.gradient_predivide_factor
+            values /= self.world_size / self.config.gradient_predivide_factor
+        counts = [round(c) for c in flat[-len(params) :].tolist()]
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        check_unused_parameters([names.get(id(p), "?") for p in params], counts, self.world_size, self.config.sections.get("zero_optimization"))
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        for p, g, count in zip(params, grads, counts, strict=True):
+            if count == 0:
+                p.grad = None
+            else:
+                g.copy_(values[offset : offset + g.numel()].view_as(g))
+                p.grad = g
             offset += g.numel()
 
     # -- checkpoints ---------------------------------------------------------------------------
