@@ -378,7 +378,7 @@ def agree_on_schedule(fingerprint: int, summary: str, group_name: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
     mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
     every = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=pg)
+    dist.all_gather_single(every, mine, group=pg)
     values = every.tolist()
     if len(set(values)) > 1:
         differing = [r for r, v in enumerate(values) if v != values[0]]
