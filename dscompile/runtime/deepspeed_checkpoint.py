@@ -24,7 +24,10 @@ Layout of ``SAVE_DIR/TAG/`` as DeepSpeed 0.19.8 writes it (observed from real ru
   ``optimizer_state_dict`` (the torch optimizer over them). Every parameter is cut separately:
   rank R holds elements ``[R*L, (R+1)*L)`` of it, ``L = ceil(numel / ranks)``, zero-padded, and a
   rank's flat group is those slices back to back in ``param_shapes`` order.
-- bf16 without ZeRO uses the ZeRO-1 layout under ``bf16_zero_pp_rank_R_...`` names.
+- With bf16, ZeRO-1/2/3 name the optimizer files ``bf16_zero_pp_rank_R_...``; bf16 without ZeRO writes
+  no such file: its ``optimizer`` is DeepSpeed's FP16_Optimizer state (``fp32_groups``: the fp32
+  master copy of each parameter, ``optimizer_state_dict`` over them, ``cur_scale``), the module
+  16-bit.
 - ``latest`` names the tag; the model states file also holds ``lr_scheduler``
   (``{"last_batch_iteration": n}`` for DeepSpeed's schedules), ``global_steps``, ``skipped_steps``,
   ``ds_config``, ``ds_version`` and the client state's keys at top level.
@@ -362,13 +365,42 @@ def _read_stage0(directory: Path, model: dict[str, Any], want_optimizer: bool) -
         module_extra={k: v for k, v in module.items() if k in buffers},
     )
     saved = model.get("optimizer")
+    if saved is not None and "optimizer_state_dict" in saved and ("fp32_groups" in saved or "fp32_groups_flat" in saved):
+        saved = _master_weights(saved, full, directory)  # 16-bit training: fp32 master weights and the optimizer over them
     if want_optimizer and saved is not None:
         if "state" not in saved or "param_groups" not in saved:
             full.notes.append(f"the DeepSpeed optimizer state in {directory} ({sorted(saved)[:4]}...) is not a torch optimizer's: not loaded")
         else:
-            full.optimizer, full.param_groups = _stage0_optimizer(saved, params, directory)
+            full.optimizer, full.param_groups = _stage0_optimizer(saved, full.params, directory)
     _common(full, model, None)
+    if model.get("optimizer") is not None and "cur_scale" in model["optimizer"]:
+        fp16 = model["optimizer"]
+        full.loss_scaler = {"deepspeed": {"cur_scale": fp16["cur_scale"], "dynamic": fp16.get("dynamic_loss_scale", False), "cur_iter": fp16.get("cur_iter", 0),
+                                          "last_overflow_iter": fp16.get("last_overflow_iter", -1)}}  # fmt: skip
     return full
+
+
+def _master_weights(saved: dict[str, Any], full: FullState, directory: Path) -> dict[str, Any]:
+    """DeepSpeed's FP16_Optimizer (fp16/bf16 without ZeRO): put its fp32 master weights in place of the 16-bit ones."""
+    first_name = {}
+    for name, tensor in full.params.items():  # tied parameters share a storage: one master copy for all their names
+        first_name.setdefault(_storage_key(tensor), name)
+    names = list(first_name.values())
+    if "fp32_groups" in saved:
+        masters = [t for group in saved["fp32_groups"] for t in group]
+    else:
+        flat = torch.cat([g.reshape(-1) for g in saved["fp32_groups_flat"]])
+        sizes = [full.params[n].numel() for n in names]
+        masters = [piece.view(full.params[n].shape) for n, piece in zip(names, flat[: sum(sizes)].split(sizes), strict=True)]
+    if len(masters) != len(names) or any(m.shape != full.params[n].shape for m, n in zip(masters, names, strict=False)):
+        raise CheckpointError(f"{directory}: DeepSpeed's fp32 master weights do not line up with the module's parameters in order")
+    by_first = dict(zip(names, masters, strict=True))
+    full.params = {name: by_first[first_name[_storage_key(t)]] for name, t in full.params.items()}
+    return saved["optimizer_state_dict"]
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
 
 
 def _stage0_optimizer(saved: dict[str, Any], params: dict[str, torch.Tensor], directory: Path) -> tuple[dict, list]:
@@ -379,7 +411,7 @@ def _stage0_optimizer(saved: dict[str, Any], params: dict[str, torch.Tensor], di
     """
     unique: dict[tuple, str] = {}
     for name, tensor in params.items():  # tied parameters share a storage in the saved module
-        unique.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), name)
+        unique.setdefault(_storage_key(tensor), name)
     names = list(unique.values())
     order = [i for group in saved["param_groups"] for i in group["params"]]
     if len(order) > len(names):
