@@ -218,3 +218,30 @@ def test_stage0_checkpoint_loads_into_zero_and_back(tmp_path: Path) -> None:
         back.load_checkpoint(tmp_path / f"zero{stage}")  # and a ZeRO checkpoint into an engine without ZeRO
         for name, value in zero.full_parameters().items():
             assert torch.equal(dict(back.module.named_parameters())[name].detach(), value), (stage, name)
+
+
+def test_a_checkpoint_of_another_engine_is_named_with_its_stage(tmp_path: Path) -> None:
+    from dscompile.runtime.pipeline_engine import PipelineEngine
+
+    engine = _engine(1)
+    _train(engine, 1)
+    engine.save_checkpoint(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    pipe = PipelineEngine(
+        _WithMSE(model),
+        {"lower": "eager", "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "pipeline": {"stages": 1, "micro_batches": 1, "compile": False}},
+        example_batch=(torch.randn(2, 4), torch.randn(2, 1)),
+    )
+    with pytest.raises(CheckpointError, match=r"is a dscompile ZeRO-1 checkpoint saved by 1 rank\(s\), not a PipelineEngine checkpoint"):
+        pipe.load_checkpoint(tmp_path)
+    assert pipe.load_checkpoint(tmp_path / "empty") == (None, None)  # no 'latest': a warning, as DeepSpeed
+
+
+class _WithMSE(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.model(x), y)

@@ -575,10 +575,15 @@ class PipelineEngine:
             log.warning("no 'latest' file in %s: nothing loaded (pass tag= to pick a checkpoint)", load_dir)
             return None, None
         directory = resolve_checkpoint_dir(load_dir, tag)  # says which tags exist when this one does not
+        from dscompile.runtime.zero_checkpoint import checkpoint_kind, describe_checkpoint
+
+        if checkpoint_kind(directory) != "pipeline":  # also: no manifest, an interrupted save
+            raise CheckpointError(
+                f"{directory} is {describe_checkpoint(directory)}, not a PipelineEngine checkpoint (no pipe_stage_*_model_states.pt); "
+                "load it with an engine without a 'pipeline' section"
+            )
         reader = CheckpointReader(directory)  # every file verified against the checkpoint's manifest
         files = [name for name in reader.names() if name.startswith("pipe_stage_") and name.endswith("_model_states.pt")]
-        if not files:
-            raise CheckpointError(f"{directory} holds no pipeline stage files (pipe_stage_*_model_states.pt): not a PipelineEngine checkpoint")
         saved: dict[str, torch.Tensor] = {}
         for f in files:
             saved.update(reader.load(f, weights_only=True))

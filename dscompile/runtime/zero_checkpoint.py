@@ -117,6 +117,25 @@ def checkpoint_kind(directory: Path) -> str:
     raise CheckpointError(f"{directory} is not a dscompile or DeepSpeed checkpoint (it holds: {', '.join(present[:8]) or 'nothing'})")
 
 
+def describe_checkpoint(directory: Path) -> str:
+    """What a checkpoint is, for error messages: who wrote it, at which ZeRO stage, on how many ranks."""
+    try:
+        kind = checkpoint_kind(directory)
+        if kind == "deepspeed":
+            from dscompile.runtime import deepspeed_checkpoint
+
+            return "a " + deepspeed_checkpoint.read_full_state(directory, optimizer=False).source.split(f" {directory}")[0] + " checkpoint"
+        if kind == "dscompile-zero":
+            zero = _load_meta(CheckpointReader(directory))["zero"]
+            return f"a dscompile ZeRO-{zero['stage']} checkpoint saved by {zero['world_size']} rank(s)"
+        if kind == "dscompile-full":
+            state = CheckpointReader(directory).load(MODEL_STATES)
+            return f"a dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)"
+        return "a PipelineEngine checkpoint"
+    except CheckpointError as exc:
+        return f"not a readable checkpoint ({exc})"
+
+
 def _load_meta(reader: CheckpointReader) -> dict[str, Any]:
     meta = reader.load(MODEL_STATES)
     if "zero" not in meta:
@@ -222,7 +241,7 @@ def _full_state_of_zero(reader: CheckpointReader) -> FullState:
         for alias in layout["aliases"]:
             params.setdefault(alias, params[layout["name"]])
     return FullState(
-        source=f"dscompile ZeRO-{meta['zero']['stage']} checkpoint saved by {meta['zero']['world_size']} ranks",
+        source=f"dscompile ZeRO-{meta['zero']['stage']} checkpoint saved by {meta['zero']['world_size']} rank(s)",
         params=params,
         module_extra=dict(meta["module"]),
         optimizer=states if files[0]["optimizer"] is not None else None,
