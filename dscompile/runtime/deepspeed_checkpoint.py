@@ -194,7 +194,7 @@ def read_full_state(directory: str | Path, optimizer: bool = True) -> FullState:
     else:
         full = _read_flat_groups(model, optim, optimizer)
     label = f"ZeRO-{stage}" if stage else "bf16 (no ZeRO)"
-    full.source = f"DeepSpeed {model['ds_version']} {label} checkpoint {directory} saved by {saved_world} ranks"
+    full.source = f"DeepSpeed {model['ds_version']} {label} checkpoint saved by {saved_world} ranks ({directory})"
     _common(full, model, first)
     return full
 
@@ -360,7 +360,7 @@ def _read_stage0(directory: Path, model: dict[str, Any], want_optimizer: bool) -
     buffers = set(model.get("buffer_names") or [])
     params = {k: v for k, v in module.items() if k not in buffers}
     full = FullState(
-        source=f"DeepSpeed {model['ds_version']} checkpoint {directory} saved without ZeRO",
+        source=f"DeepSpeed {model['ds_version']} checkpoint saved without ZeRO ({directory})",
         params=params,
         module_extra={k: v for k, v in module.items() if k in buffers},
     )

@@ -124,7 +124,7 @@ def describe_checkpoint(directory: Path) -> str:
         if kind == "deepspeed":
             from dscompile.runtime import deepspeed_checkpoint
 
-            return "a " + deepspeed_checkpoint.read_full_state(directory, optimizer=False).source.split(f" {directory}")[0] + " checkpoint"
+            return "a " + deepspeed_checkpoint.read_full_state(directory, optimizer=False).source
         if kind == "dscompile-zero":
             zero = _load_meta(CheckpointReader(directory))["zero"]
             return f"a dscompile ZeRO-{zero['stage']} checkpoint saved by {zero['world_size']} rank(s)"
