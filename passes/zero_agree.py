@@ -128,8 +128,10 @@ def zero_agree(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> tor
     forward, group = forward_schedule(gm)
     backward, joint_group = ([], None) if ctx.is_inference else ctx.analysis.get("zero_agree_backward", ([], None))
     group = group or joint_group
-    if group is None or ctx.world_size <= 1:
-        return gm  # no ZeRO collective in this graph (e.g. the model part under up-front collectives)
+    if group is None or ctx.world_size <= 1 or not (forward or backward):
+        # No ZeRO collective in this graph: the model part under up-front collectives, or a ZeRO-2 inference
+        # graph, which a single rank may run on its own (evaluation on rank 0): no agreement to ask for.
+        return gm
     events = ["forward", *forward, "backward", *backward]
     value = fingerprint(events)
     summary = f"{len(forward)} forward and {len(backward)} backward ZeRO collective events, fingerprint {value}"

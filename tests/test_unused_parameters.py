@@ -91,6 +91,19 @@ def unused_rank(rank: int, world: int) -> dict[str, Any]:
             up_front = engine.zero_module.collectives_up_front if engine.zero_module is not None else None
             out[(mode, stage)] = {"params": engine.full_parameters(), "up_front": up_front}
             torch._dynamo.reset()
+    # Same parameters everywhere but other sequence lengths per rank, so one rank recompiles while the other
+    # does not: the schedules still agree (no false alarm, no fall-back).
+    from dscompile.zoo import build, make_batch
+
+    case = build("gpt", seed=3, batch_size=2, seq_len=8, d_model=16, n_heads=2, n_layers=1, vocab_size=40)
+    engine, *_ = dscompile.initialize(model=case.model, config=_config(3))
+    for step in range(4):
+        idx, tgt = make_batch(case, seed=10 * step + rank)
+        length = 4 + (step + rank) % 3
+        engine.backward(engine(idx[:, :length], tgt[:, :length]))
+        engine.step()
+    out["lengths_up_front"] = engine.zero_module.collectives_up_front
+    torch._dynamo.reset()
     for stage in (0, 1, 3):  # ignore_unused_parameters: false makes the unused parameters an error, on every rank
         torch.manual_seed(0)
         model = Branchy()
@@ -123,6 +136,7 @@ def test_unused_parameters_match_a_single_process() -> None:
             assert torch.equal(results[1][(mode, stage)]["params"]["a.weight"], got["params"]["a.weight"])
             if stage >= 2:
                 assert got["up_front"] is (mode == "rank"), (mode, stage)  # a graph break needs no switch
+    assert results[0]["lengths_up_front"] is False and results[1]["lengths_up_front"] is False
     expected_names = ("extra.weight (on 1 of 2 ranks)", "never.weight (on 2 of 2 ranks)")
     for stage in (0, 1):
         for rank in range(2):

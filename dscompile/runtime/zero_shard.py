@@ -201,10 +201,10 @@ class ZeroPartition:
 
     def gradient_counts(self, present: list[bool]) -> list[int]:
         """How many ranks have each parameter's gradient (an all-reduce of this rank's flags)."""
-        flags = torch.tensor([1.0 if x else 0.0 for x in present])
+        flags = torch.tensor(present, dtype=torch.int32)  # counts, not gradients: never in the communication dtype
         if self.world > 1:
             dist.all_reduce(flags, group=self.group)
-        return [round(c) for c in flags.tolist()]
+        return [int(c) for c in flags.tolist()]
 
     def check_unused(self, counts: list[int] | None = None) -> None:
         """``ignore_unused_parameters: false``: fail when a parameter got no gradient (on some rank).
