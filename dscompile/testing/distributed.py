@@ -413,6 +413,9 @@ def _rank_main(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout)
         )
+        # Every rank's connections are up before any rank may finish: a rank whose fn returns at once would
+        # otherwise close its side while a slower peer is still connecting ("connectFullMesh failed").
+        dist.barrier()
         result = fn(rank, world_size, *args)
         if dist.is_initialized():
             dist.destroy_process_group()
