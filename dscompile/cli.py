@@ -228,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--config", required=True, help="a ds_config.json with a compression_training section")
     compress.add_argument("--save", metavar="FILE", help="write the cleaned model's state_dict here")
     compress.set_defaults(func=cmd_compress)
-    z2f = sub.add_parser("zero-to-fp32", help="consolidate ZeRO checkpoint shards into one fp32 state_dict: CKPT OUT [--tag TAG]")
+    z2f = sub.add_parser(
+        "zero-to-fp32", help="consolidate a ZeRO checkpoint (dscompile's or DeepSpeed's) into one fp32 state_dict: CKPT OUT [--tag TAG]"
+    )
     z2f.add_argument("rest", nargs=argparse.REMAINDER)
     z2f.set_defaults(func=cmd_zero_to_fp32)
     return parser

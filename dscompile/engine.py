@@ -27,12 +27,14 @@ from torch import nn
 from dscompile.arguments import config_source
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agree_any, params_or_error, register_engine_extension
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_extension import shard_optimizer
 from dscompile.runtime.zero_init import materialize
+from dscompile.runtime.zero_shard import ZeroModule, collective_failures_explained, run_agreeing
 
 if TYPE_CHECKING:
     from dscompile.runtime.pipeline_engine import PipelineEngine
@@ -88,7 +90,8 @@ class DSCompileEngine(nn.Module, EngineCore):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook("before_forward")
         with self.phase("forward"), self.gradients.failure_context(self.global_rank, "forward"):
-            out = self._compiled(*args, **kwargs)
+            zero_module = self.compile_target if isinstance(self.compile_target, ZeroModule) else None
+            out = run_agreeing(self._compiled, zero_module, args, kwargs)  # ranks whose ZeRO graphs differ: fall back
         self._hook("after_forward")
         return out
 
@@ -111,6 +114,7 @@ class DSCompileEngine(nn.Module, EngineCore):
         self._hook("after_backward")
         return loss
 
+    @collective_failures_explained("engine.step()")
     def step(self) -> None:
         """At an accumulation boundary: the engine core's optimizer step (reduce, unscale, clip, step)."""
         boundary = self.is_gradient_accumulation_boundary()
@@ -130,13 +134,10 @@ class DSCompileEngine(nn.Module, EngineCore):
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True) -> Path:
         """Write ``save_dir/tag/`` in the gradient strategy's layout (``mp_rank_00_model_states.pt``, plus ZeRO's shard files)."""
         tag = tag or f"global_step{self.global_steps}"
-        directory = Path(save_dir) / str(tag)
-        self.gradients.save_checkpoint(self, directory, client_state)
-        if self.world_size > 1:
-            dist.barrier()
-        if save_latest and self.global_rank == 0:
-            (Path(save_dir) / LATEST).write_text(str(tag))
-        return directory
+        # Every rank writes into a staging directory; committed (manifest, rename, 'latest' last) only when all succeeded.
+        with CheckpointWriter(save_dir, str(tag), save_latest=save_latest) as ckpt:
+            self.gradients.save_checkpoint(self, ckpt, client_state)
+        return ckpt.directory
 
     def load_checkpoint(
         self,
@@ -154,12 +155,13 @@ class DSCompileEngine(nn.Module, EngineCore):
                 log.warning("no 'latest' file in %s: nothing loaded (pass tag= to pick a checkpoint)", load_dir)
                 return None, None
             tag = latest.read_text().strip()
-        path = load_dir / str(tag) / MODEL_STATES
-        if not path.is_file():
-            tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir()) if load_dir.is_dir() else []
-            raise FileNotFoundError(f"checkpoint {path} does not exist; tags here: {tags}")
-        client = self.gradients.load_checkpoint(self, path.parent, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-        return str(path.parent), client
+        directory = resolve_checkpoint_dir(load_dir, tag)  # says which tags exist when this one does not
+        from dscompile.runtime import zero_checkpoint
+
+        if getattr(self, "zero", None) is not None or zero_checkpoint.checkpoint_kind(directory) != "dscompile-full":  # ZeRO, DeepSpeed's, re-layout
+            return str(directory), zero_checkpoint.load_into(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        client = self.gradients.load_checkpoint(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return str(directory), client
 
 
 def _resolve_optimizer(

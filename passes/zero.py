@@ -262,6 +262,7 @@ def _zero_rule(config: Any) -> list[Any]:
     items.append(invocation("zero_overlap", overlap_comm=bool(zc.overlap_comm), reduce_bucket_size=int(zc.reduce_bucket_size)))
     if zc.profile_steps > 0:
         items.append(invocation("zero_profile"))
+    items.append(invocation("zero_agree"))  # last: fingerprints the final schedule
     return items
 
 

@@ -369,7 +369,7 @@ def _record_eager_reductions() -> list[torch.dtype]:
 
         def wrapped(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
             tensor = args[1] if _name == "reduce_scatter_tensor" else args[0]
-            if tensor.numel() > 1:  # the overflow flag and the loss average are scalars
+            if tensor.numel() > 1 and tensor.is_floating_point():  # the overflow flag and loss average are scalars, ZeRO-1's gradient counts integers
                 found.append(tensor.dtype)
             return _original(*args, **kwargs)
 

@@ -271,4 +271,4 @@ def test_train_gpt_example_runs_the_pipeline_config(tmp_path):
     assert "pipeline 2 stages x 1 data-parallel, schedule 1f1b" in proc.stdout
     assert "step    2  loss" in proc.stdout
     saved = sorted(p.name for p in (tmp_path / "global_step2").iterdir())
-    assert saved == ["pipe_rank_00_states.pt", "pipe_rank_01_states.pt", "pipe_stage_00_model_states.pt", "pipe_stage_01_model_states.pt"]
+    assert saved == ["manifest.json", "pipe_rank_00_states.pt", "pipe_rank_01_states.pt", "pipe_stage_00_model_states.pt", "pipe_stage_01_model_states.pt"]

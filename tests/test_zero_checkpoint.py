@@ -12,6 +12,7 @@ from test_zero import _case, _config, _micro_batch
 
 import dscompile
 from dscompile.runtime import zero_checkpoint
+from dscompile.runtime.checkpoint_io import CheckpointReader
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires_backend("gloo")]
@@ -67,8 +68,9 @@ def reshard_rank(rank: int, world: int, stage: int, save_dir: str, tag: str, out
 
 
 def _optimizer_states(directory: Path) -> dict[str, dict[str, Any]]:
-    meta = zero_checkpoint._load_meta(directory)
-    files = zero_checkpoint._load_shard_files(directory, meta["zero"]["world_size"])
+    reader = CheckpointReader(directory)
+    meta = zero_checkpoint._load_meta(reader)
+    files = zero_checkpoint._load_shard_files(reader, meta["zero"]["world_size"])
     return zero_checkpoint.full_optimizer_states(meta, files)[0]
 
 
@@ -78,6 +80,7 @@ def test_checkpoint_resume_reshard_and_consolidate(tmp_path: Path) -> None:
     first = run_distributed_or_fail(save_rank, 2, stage, str(ckpt), timeout=180)
     assert (ckpt / "latest").read_text() == "step6"
     assert sorted(p.name for p in (ckpt / "step3").iterdir()) == [
+        "manifest.json",
         "mp_rank_00_model_states.pt",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",

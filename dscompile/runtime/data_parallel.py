@@ -11,6 +11,7 @@ strategy with nothing to reduce. Checkpoints are one file written by rank 0:
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dscompile.runtime.checkpoint_io import CheckpointReader, CheckpointWriter
 from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, GradientStrategy, world_info
+from dscompile.runtime.zero_shard import check_unused_parameters, explain_collective_failure
 
 
 class DataParallelGradients(GradientStrategy):
@@ -41,27 +44,45 @@ class DataParallelGradients(GradientStrategy):
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def reduce(self, engine: EngineCore) -> None:
-        if self.world_size == 1:
-            return
-        grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
-        if not grads:
+        """All-reduce every trainable gradient in one flat buffer, the same layout on every rank.
+
+        A parameter that got no gradient on a rank (a branch taken elsewhere) contributes zeros
+        there; a count of the ranks that had one travels in the same buffer, so a parameter no rank
+        used keeps ``grad=None`` (skipped by the optimizer, as in PyTorch).
+        """
+        params = self.trainable_parameters()
+        if self.world_size == 1 or not params:
             return
         config = engine.config
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [present])
         if engine.communication_data_type is not None:
             flat = flat.to(engine.communication_data_type)  # copied back into each gradient's dtype below
+        values = flat[: -len(params)]
         if config.prescale_gradients:
-            flat /= self.world_size
+            values /= self.world_size
         elif config.gradient_predivide_factor != 1.0:
-            flat /= config.gradient_predivide_factor
+            values /= config.gradient_predivide_factor
         with engine.comm_stats.timed("data_parallel", "all_reduce", tensor_bytes(flat)):
             dist.all_reduce(flat)
         if not config.prescale_gradients:
-            flat /= self.world_size / config.gradient_predivide_factor
+            values /= self.world_size / config.gradient_predivide_factor
+        counts = [round(c) for c in flat[-len(params) :].tolist()]
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        check_unused_parameters([names.get(id(p), "?") for p in params], counts, self.world_size, config.sections.get("zero_optimization"))
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        for p, g, count in zip(params, grads, counts, strict=True):
+            if count == 0:
+                p.grad = None
+            else:
+                g.copy_(values[offset : offset + g.numel()].view_as(g))
+                p.grad = g
             offset += g.numel()
+
+    def failure_context(self, rank: int, what: str) -> contextlib.AbstractContextManager[None]:
+        """On several ranks a failed collective means a dead, stalled or diverged peer: say so."""
+        return explain_collective_failure(rank, f"data-parallel {what}") if self.world_size > 1 else contextlib.nullcontext()
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
         # Gradients are equal on every rank after the all-reduce: the local norm is the global one.
@@ -80,15 +101,15 @@ class DataParallelGradients(GradientStrategy):
         return tensors
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self, engine: EngineCore, directory: Path, client_state: dict | None) -> None:
+    def save_checkpoint(self, engine: EngineCore, ckpt: CheckpointWriter, client_state: dict | None) -> None:
         """Rank 0 writes ``directory/mp_rank_00_model_states.pt``."""
         if self.rank != 0:
             return
-        directory.mkdir(parents=True, exist_ok=True)
         state = {
             "module": self.module.state_dict(),
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             **engine.core_state_dict(client_state),
+            "loss_scaler": engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None,  # read on re-layout
             "world_size": self.world_size,
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -96,12 +117,12 @@ class DataParallelGradients(GradientStrategy):
                 "devices": capture_rng(accelerator_devices(self.module.parameters())).to_dict(),  # dropout on a GPU draws from these
             },
         }
-        torch.save(state, directory / MODEL_STATES)
+        ckpt.save(state, MODEL_STATES)
 
     def load_checkpoint(
         self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
-        state: dict[str, Any] = torch.load(directory / MODEL_STATES, map_location="cpu", weights_only=False)
+        state: dict[str, Any] = CheckpointReader(directory).load(MODEL_STATES)  # verified against the checkpoint's manifest
         self.module.load_state_dict(state["module"])
         if not load_module_only:
             if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:

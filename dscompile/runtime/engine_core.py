@@ -246,6 +246,7 @@ class EngineCore:
     def init_core(self, config: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
         self.config = config
         self.world_size, self.global_rank = world_info()
+        self.zero: Any = None  # the ZeroPartition when ZeRO is on (set by its extension): read by checkpoints and tools
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0

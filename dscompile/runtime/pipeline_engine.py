@@ -45,13 +45,15 @@ from torch import nn
 
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
-from dscompile.runtime.engine_core import LATEST, EngineCore, params_or_error, world_info
+from dscompile.runtime.engine_core import EngineCore, params_or_error, world_info
 from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forward_only
 from dscompile.runtime.pipeline_gradients import PipelineGradients
 from dscompile.runtime.pipeline_p2p import P2P
 from dscompile.runtime.pipeline_schedules import build_schedule
+from dscompile.runtime.zero_shard import collective_failures_explained
 
 log = logging.getLogger("dscompile.pipeline_engine")
 
@@ -388,6 +390,7 @@ class PipelineEngine(EngineCore):
                 raise RuntimeError("PipelineEngine: the first train_batch/eval_batch needs a data_iter on every rank (or pass example_batch=)")
             self._build(batches[0])
 
+    @collective_failures_explained("PipelineEngine.train_batch()")
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """One optimizer step over ``micro_batches`` micro-batches; the mean loss (same on every rank)."""
         batches = self._fetch(data_iter)
@@ -418,6 +421,7 @@ class PipelineEngine(EngineCore):
         self.end_optimizer_step(speak=self.dp_id == 0)
         return loss
 
+    @collective_failures_explained("PipelineEngine.eval_batch()")
     def eval_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Forward only over ``micro_batches`` micro-batches; the mean loss (same on every rank)."""
         batches = self._fetch(data_iter)
@@ -468,39 +472,34 @@ class PipelineEngine(EngineCore):
         if self.program is None:
             raise RuntimeError("save_checkpoint before the first train_batch: nothing is partitioned yet")
         tag = tag or f"global_step{self.global_steps}"
-        directory = Path(save_dir) / str(tag)
-        if self.dp_id == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            for s in self.local_stages:
-                spec = self.program.stages[s]
-                state = {name: t.detach() for name, t in spec.module.state_dict().items()}
-                torch.save(state, directory / f"pipe_stage_{s:02d}_model_states.pt")
-            torch.save(
-                {
-                    "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not self.zero1_sharded else None,
-                    "zero1_replicas": self.dp_size if self.zero1_sharded else 0,
-                    "bounds": self.program.plan.bounds,
-                    **self.core_state_dict(client_state),  # scheduler, counters, extensions (loss scaler)
-                },
-                directory / f"pipe_rank_{self.stage_id:02d}_states.pt",
-            )
-        if self.zero1_sharded and self.optimizer is not None:  # each replica's shard of the optimizer states
-            directory.mkdir(parents=True, exist_ok=True)
-            torch.save(self.optimizer.state_dict(), directory / self._zero1_optim_file())
-        if self.world_size > 1:
-            dist.barrier()
-        if self.global_rank == 0:
-            (Path(save_dir) / LATEST).write_text(str(tag))
-        return directory
+        # Every rank writes into a staging directory; committed (manifest, rename, 'latest' last) only when all succeeded.
+        with CheckpointWriter(save_dir, str(tag)) as ckpt:
+            if self.dp_id == 0:
+                for s in self.local_stages:
+                    spec = self.program.stages[s]
+                    state = {name: t.detach() for name, t in spec.module.state_dict().items()}
+                    ckpt.save(state, f"pipe_stage_{s:02d}_model_states.pt")
+                ckpt.save(
+                    {
+                        "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not self.zero1_sharded else None,
+                        "zero1_replicas": self.dp_size if self.zero1_sharded else 0,
+                        "bounds": self.program.plan.bounds,
+                        **self.core_state_dict(client_state),  # scheduler, counters, extensions (loss scaler)
+                    },
+                    f"pipe_rank_{self.stage_id:02d}_states.pt",
+                )
+            if self.zero1_sharded and self.optimizer is not None:  # each replica's shard of the optimizer states
+                ckpt.save(self.optimizer.state_dict(), self._zero1_optim_file())
+        return ckpt.directory
 
     def _zero1_optim_file(self) -> str:
         return f"pipe_rank_{self.stage_id:02d}_dp_{self.dp_id:02d}_optim_states.pt"
 
-    def _load_optimizer(self, directory: Path, state: dict) -> None:
+    def _load_optimizer(self, reader: CheckpointReader, state: dict) -> None:
         """The optimizer states as saved: whole per stage, or (ZeRO-1) this replica's shard."""
-        shard = directory / self._zero1_optim_file()
-        if self.zero1_sharded and state.get("zero1_replicas") == self.dp_size and shard.is_file():
-            self.optimizer.load_state_dict(torch.load(shard, map_location="cpu", weights_only=False))
+        directory = reader.directory
+        if self.zero1_sharded and state.get("zero1_replicas") == self.dp_size and reader.has(self._zero1_optim_file()):
+            self.optimizer.load_state_dict(reader.load(self._zero1_optim_file()))
         elif not self.zero1_sharded and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
@@ -518,20 +517,22 @@ class PipelineEngine(EngineCore):
         if self.program is None:
             self._pending_load = (load_dir, tag, load_optimizer_states)
             return None, None
-        load_dir = Path(load_dir)
-        if tag is None:
-            latest = load_dir / LATEST
-            if not latest.is_file():
-                log.warning("no 'latest' file in %s: nothing loaded (pass tag= to pick a checkpoint)", load_dir)
-                return None, None
-            tag = latest.read_text().strip()
-        directory = load_dir / str(tag)
-        files = sorted(directory.glob("pipe_stage_*_model_states.pt"))
-        if not files:
-            raise FileNotFoundError(f"no pipeline stage checkpoints in {directory}")
+        if tag is None and read_latest(load_dir) is None:
+            log.warning("no 'latest' file in %s: nothing loaded (pass tag= to pick a checkpoint)", load_dir)
+            return None, None
+        directory = resolve_checkpoint_dir(load_dir, tag)  # says which tags exist when this one does not
+        from dscompile.runtime.zero_checkpoint import checkpoint_kind, describe_checkpoint
+
+        if checkpoint_kind(directory) != "pipeline":  # also: no manifest, an interrupted save
+            raise CheckpointError(
+                f"{directory} is {describe_checkpoint(directory)}, not a PipelineEngine checkpoint (no pipe_stage_*_model_states.pt); "
+                "load it with an engine without a 'pipeline' section"
+            )
+        reader = CheckpointReader(directory)  # every file verified against the checkpoint's manifest
+        files = [name for name in reader.names() if name.startswith("pipe_stage_") and name.endswith("_model_states.pt")]
         saved: dict[str, torch.Tensor] = {}
         for f in files:
-            saved.update(torch.load(f, map_location="cpu", weights_only=True))
+            saved.update(reader.load(f, weights_only=True))
         with torch.no_grad():
             for s in self.local_stages:
                 module = self.program.stages[s].module
@@ -539,14 +540,14 @@ class PipelineEngine(EngineCore):
                     if name not in saved:
                         raise KeyError(f"checkpoint {directory} has no tensor {name!r} for stage {s}")
                     t.copy_(saved[name])
-        rank_file = directory / f"pipe_rank_{self.stage_id:02d}_states.pt"
+        rank_file = f"pipe_rank_{self.stage_id:02d}_states.pt"
         client = None
-        if rank_file.is_file():
-            state = torch.load(rank_file, map_location="cpu", weights_only=False)
+        if reader.has(rank_file):
+            state = reader.load(rank_file)
             client = state["client_state"]
             if state["bounds"] == self.program.plan.bounds:
                 if load_optimizer_states and self.optimizer is not None:
-                    self._load_optimizer(directory, state)
+                    self._load_optimizer(reader, state)
                 self.load_core_state_dict(state)
             else:
                 log.warning("checkpoint %s was partitioned differently: loaded the weights only", directory)

@@ -7,31 +7,48 @@ Layout of ``save_dir/tag/`` (DeepSpeed's file names):
 - ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (every rank): that rank's parameter shards,
   its optimizer state (over the shards) and its RNG state.
 
-Loading on the same world size copies each rank's own file back (bit-exact continuation). On
-another world size every rank rebuilds the full flat parameters and optimizer states from all
-shard files and cuts its new shard. ``zero_to_fp32`` consolidates a checkpoint into a plain
+Files are written through ``checkpoint_io.CheckpointWriter`` (staging directory, atomic files, a
+manifest of sizes and checksums, ``latest`` last) and read through ``CheckpointReader``, which
+verifies each file first. Loading on the same world size copies each rank's own file back
+(bit-exact continuation). On another world size every rank rebuilds the full flat parameters
+and optimizer states from all shard files and cuts its new shard. ``zero_to_fp32`` consolidates a checkpoint into a plain
 full ``state_dict``; ``main(argv)`` is the ``dscompile zero-to-fp32 CKPT OUT`` command.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dscompile.errors import DSCompileError
+from dscompile.runtime.checkpoint_io import (
+    MANIFEST,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    atomic_save,
+    read_latest,
+)
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 
+log = logging.getLogger("dscompile.zero_checkpoint")
+
 MODEL_STATES = "mp_rank_00_model_states.pt"
-LATEST = "latest"
+
+
+def shard_name(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 def shard_file(directory: Path, rank: int) -> Path:
-    return directory / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return directory / shard_name(rank)
 
 
 def _optimizer_order(optimizer: torch.optim.Optimizer | None, shards: list[torch.Tensor]) -> list[int]:
@@ -42,51 +59,98 @@ def _optimizer_order(optimizer: torch.optim.Optimizer | None, shards: list[torch
     return [index[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def save(engine: Any, directory: Path, client_state: dict | None) -> None:
-    """Write this rank's shard file (and, on rank 0, the metadata file)."""
+def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None:
+    """Write this rank's shard file (and, on rank 0, the metadata file) into the checkpoint being saved."""
     zero = engine.zero
-    directory.mkdir(parents=True, exist_ok=True)
     param_keys = {alias for layout in zero.layouts for alias in [layout.name, *layout.aliases]}
     if engine.rank == 0:
         module_state = {k: v for k, v in engine.module.state_dict().items() if k not in param_keys}
         meta = {
             "module": module_state,
             "zero": {"stage": zero.stage, "world_size": zero.world, "layouts": [layout.to_dict() for layout in zero.layouts]},
-            **engine.core_state_dict(client_state),  # scheduler, counters, extensions (loss scaler), config
+            **engine.core_state_dict(client_state),  # scheduler, counters, extensions, config
+            "loss_scaler": engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None,  # read by FullState
             "world_size": zero.world,
         }
-        torch.save(meta, directory / MODEL_STATES)
-    torch.save(
+        ckpt.save(meta, MODEL_STATES)
+    ckpt.save(
         {
             "rank": zero.rank,
             "world_size": zero.world,
             "shards": [s.detach().clone() for s in zero.shards],
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             "optimizer_order": _optimizer_order(engine.optimizer, zero.shards),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "devices": capture_rng(accelerator_devices(zero.shards)).to_dict()},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "devices": capture_rng(accelerator_devices(zero.shards)).to_dict(),  # dropout on a GPU draws from these
+            },
         },
-        shard_file(directory, zero.rank),
+        shard_name(zero.rank),
     )
 
 
-def _load_meta(directory: Path) -> dict[str, Any]:
-    path = directory / MODEL_STATES
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: not a dscompile/DeepSpeed checkpoint directory")
-    meta = torch.load(path, map_location="cpu", weights_only=False)
+def checkpoint_kind(directory: Path) -> str:
+    """What wrote ``directory``: ``dscompile-zero``, ``dscompile-full`` (no ZeRO), ``deepspeed``, ``pipeline``.
+
+    dscompile's own checkpoints carry ``manifest.json`` (``checkpoint_io``); DeepSpeed's do not.
+    """
+    from dscompile.runtime import deepspeed_checkpoint
+
+    if (directory / MANIFEST).is_file():
+        reader = CheckpointReader(directory)
+        if reader.has(shard_name(0)):
+            return "dscompile-zero"
+        if reader.has(MODEL_STATES):
+            return "dscompile-full"
+        if any(name.startswith("pipe_stage_") for name in reader.names()):
+            return "pipeline"
+        raise CheckpointError(f"{directory} holds no model states file ({', '.join(reader.names()) or 'no files'})")
+    if deepspeed_checkpoint.is_deepspeed_checkpoint(directory):
+        return "deepspeed"
+    if (directory / MODEL_STATES).is_file() or (directory / shard_name(0)).is_file():
+        raise CheckpointCorruptError(
+            f"{directory} has no {MANIFEST}: its save_checkpoint never finished (a crash or kill while saving), "
+            "so it may be incomplete; load another tag"
+        )
+    present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    raise CheckpointError(f"{directory} is not a dscompile or DeepSpeed checkpoint (it holds: {', '.join(present[:8]) or 'nothing'})")
+
+
+def describe_checkpoint(directory: Path) -> str:
+    """What a checkpoint is, for error messages: who wrote it, at which ZeRO stage, on how many ranks."""
+    try:
+        kind = checkpoint_kind(directory)
+        if kind == "deepspeed":
+            from dscompile.runtime import deepspeed_checkpoint
+
+            return "a " + deepspeed_checkpoint.read_full_state(directory, optimizer=False).source
+        if kind == "dscompile-zero":
+            zero = _load_meta(CheckpointReader(directory))["zero"]
+            return f"a dscompile ZeRO-{zero['stage']} checkpoint saved by {zero['world_size']} rank(s)"
+        if kind == "dscompile-full":
+            state = CheckpointReader(directory).load(MODEL_STATES)
+            return f"a dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)"
+        return "a PipelineEngine checkpoint"
+    except CheckpointError as exc:
+        return f"not a readable checkpoint ({exc})"
+
+
+def _load_meta(reader: CheckpointReader) -> dict[str, Any]:
+    meta = reader.load(MODEL_STATES)
     if "zero" not in meta:
-        raise DSCompileError(f"{directory} was saved without ZeRO; load it with zero_optimization.stage 0")
+        raise CheckpointError(f"{reader.directory} was saved without ZeRO (zero_optimization.stage 0): it holds no ZeRO shards")
     return meta
 
 
-def _load_shard_files(directory: Path, world: int) -> list[dict[str, Any]]:
+def _load_shard_files(reader: CheckpointReader, world: int) -> list[dict[str, Any]]:
     files = []
     for rank in range(world):
-        path = shard_file(directory, rank)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint was saved by {world} ranks and needs every shard file")
-        files.append(torch.load(path, map_location="cpu", weights_only=False))
+        if not reader.has(shard_name(rank)):
+            raise CheckpointCorruptError(
+                f"{reader.directory / shard_name(rank)} is missing: the checkpoint was saved by {world} ranks and needs every shard file"
+            )
+        files.append(reader.load(shard_name(rank)))
     return files
 
 
@@ -120,118 +184,340 @@ def full_optimizer_states(meta: dict[str, Any], files: list[dict[str, Any]]) -> 
             else:
                 entries[key] = value
         states[layout["name"]] = entries
-    return states, first["param_groups"]
+    order = files[0]["optimizer_order"]
+    groups = [named_group(g, [layouts[order[i]]["name"] for i in g["params"]]) for g in first["param_groups"]]
+    return states, groups
+
+
+def named_group(group: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer param group's hyper-parameters, its members by parameter name instead of position."""
+    return {**{k: v for k, v in group.items() if k != "params"}, "param_names": names}
+
+
+@dataclass
+class FullState:
+    """A checkpoint with its partitioning undone: full tensors by parameter name.
+
+    Any engine (ZeRO at any stage and world size, or none) restores from it; dscompile's ZeRO
+    checkpoints on another world size, its stage-0 checkpoints under ZeRO and DeepSpeed's
+    checkpoints (``deepspeed_checkpoint``) all arrive here. ``optimizer`` holds per parameter the
+    state entries, element-wise ones as flat full tensors; ``param_groups`` the hyper-parameters
+    of each group with its ``param_names``.
+    """
+
+    source: str
+    params: dict[str, torch.Tensor]
+    module_extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: dict[str, dict[str, Any]] | None = None
+    param_groups: list[dict[str, Any]] | None = None
+    lr_scheduler: dict | None = None
+    loss_scaler: dict | None = None
+    global_steps: int = 0
+    micro_steps: int | None = None
+    skipped_steps: int = 0
+    client_state: dict = field(default_factory=dict)
+    rng: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def optimizer_param_names(engine: Any) -> list[str]:
+    """The parameter name behind each position of the engine's optimizer (its state_dict numbering)."""
+    if engine.optimizer is None:
+        return []
+    if engine.zero is not None:
+        return [engine.zero.layouts[i].name for i in _optimizer_order(engine.optimizer, engine.zero.shards)]
+    names: dict[int, str] = {}
+    for name, p in engine.module.named_parameters():
+        names.setdefault(id(p), name)
+    return [names[id(p)] for group in engine.optimizer.param_groups for p in group["params"]]
+
+
+def _full_state_of_zero(reader: CheckpointReader) -> FullState:
+    meta = _load_meta(reader)
+    files = _load_shard_files(reader, meta["zero"]["world_size"])
+    states, groups = full_optimizer_states(meta, files)
+    params = full_parameters(meta, files)
+    for layout in meta["zero"]["layouts"]:
+        for alias in layout["aliases"]:
+            params.setdefault(alias, params[layout["name"]])
+    return FullState(
+        source=f"dscompile ZeRO-{meta['zero']['stage']} checkpoint saved by {meta['zero']['world_size']} rank(s)",
+        params=params,
+        module_extra=dict(meta["module"]),
+        optimizer=states if files[0]["optimizer"] is not None else None,
+        param_groups=groups or None,
+        lr_scheduler=meta["lr_scheduler"],
+        loss_scaler=meta.get("loss_scaler"),
+        global_steps=meta["global_steps"],
+        micro_steps=meta["micro_steps"],
+        skipped_steps=meta.get("skipped_steps", 0),
+        client_state=meta["client_state"],
+    )
+
+
+def _full_state_of_stage0(reader: CheckpointReader, engine: Any) -> FullState:
+    """A dscompile checkpoint without ZeRO: its optimizer is numbered like the engine's (same script)."""
+    state = reader.load(MODEL_STATES)
+    named = dict(state["module"])
+    optimizer, groups = None, None
+    saved_opt = state.get("optimizer")
+    if saved_opt is not None:
+        names = optimizer_param_names(engine)
+        order = [i for g in saved_opt["param_groups"] for i in g["params"]]
+        if len(order) != len(names):
+            raise CheckpointError(
+                f"{reader.directory} (saved without ZeRO) has optimizer states for {len(order)} parameters, this engine's optimizer has {len(names)}"
+            )
+        by_index = dict(zip(order, names, strict=True))
+        optimizer = {by_index[i]: dict(entries) for i, entries in saved_opt["state"].items()}
+        groups = [named_group(g, [by_index[i] for i in g["params"]]) for g in saved_opt["param_groups"]]
+    params = {k: v for k, v in named.items()}
+    return FullState(
+        source=f"dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)",
+        params=params,
+        optimizer=optimizer,
+        param_groups=groups,
+        lr_scheduler=state.get("lr_scheduler"),
+        loss_scaler=state.get("loss_scaler"),
+        global_steps=state["global_steps"],
+        micro_steps=state.get("micro_steps"),
+        skipped_steps=state.get("skipped_steps", 0),
+        client_state=state.get("client_state", {}),
+        rng=state.get("rng"),
+    )
+
+
+def load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
+    """Restore any checkpoint dscompile reads into ``engine`` (ZeRO or not); returns the client state."""
+    kind = checkpoint_kind(directory)
+    if kind == "pipeline":
+        raise CheckpointError(f"{directory} was saved by a PipelineEngine (pipe_stage_* files); load it with a 'pipeline' config")
+    if kind == "dscompile-zero" and engine.zero is not None:
+        return load(engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    if kind == "deepspeed":
+        from dscompile.runtime import deepspeed_checkpoint
+
+        full = deepspeed_checkpoint.read_full_state(directory)
+    elif kind == "dscompile-zero":
+        full = _full_state_of_zero(CheckpointReader(directory))
+    else:
+        full = _full_state_of_stage0(CheckpointReader(directory), engine)
+    restore_full_state(engine, full, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    return full.client_state
 
 
 def load(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
-    """Restore shards (re-partitioning when the world size changed), optimizer, scheduler, counters."""
-    from dscompile.runtime.zero_shard import shard_of
-
+    """Restore a dscompile ZeRO checkpoint into a ZeRO engine: each rank's own file on the same world size
+    (bit-exact continuation), through the full state otherwise."""
     zero = engine.zero
-    meta = _load_meta(directory)
-    saved_world = meta["zero"]["world_size"]
+    reader = CheckpointReader(directory)
+    meta = _load_meta(reader)
+    saved_world, saved_stage = meta["zero"]["world_size"], meta["zero"]["stage"]
     saved_names = [layout["name"] for layout in meta["zero"]["layouts"]]
     if saved_names != [layout.name for layout in zero.layouts]:
-        raise DSCompileError(f"checkpoint {directory} holds parameters {saved_names[:4]}..., the model has {[x.name for x in zero.layouts][:4]}...")
+        raise CheckpointError(
+            f"checkpoint {directory} (ZeRO-{saved_stage}, {saved_world} ranks) holds parameters {saved_names[:4]}..., "
+            f"the model has {[x.name for x in zero.layouts][:4]}...: not a checkpoint of this model"
+        )
+    if saved_world != zero.world:
+        restore_full_state(engine, _full_state_of_zero(reader), load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return meta["client_state"]
     engine.module.load_state_dict(meta["module"], strict=False)
-    same_world = saved_world == zero.world
-    own = None
+    own = reader.load(shard_name(zero.rank))
     with torch.no_grad():
-        if same_world:
-            own = torch.load(shard_file(directory, zero.rank), map_location="cpu", weights_only=False)
-            for shard, saved in zip(zero.shards, own["shards"], strict=True):
-                shard.copy_(saved)
-        else:
-            files = _load_shard_files(directory, saved_world)
-            full = full_parameters(meta, files)
-            for layout, shard in zip(zero.layouts, zero.shards, strict=True):
-                shard.copy_(shard_of(full[layout.name], zero.rank, zero.world))
+        for shard, saved in zip(zero.shards, own["shards"], strict=True):
+            shard.copy_(saved)
         zero.gather_full_params()
     if not load_module_only:
-        if load_optimizer_states and engine.optimizer is not None:
-            if same_world:
-                engine.optimizer.load_state_dict(own["optimizer"])
-            else:
-                _load_resharded_optimizer(engine, meta, files)
-        engine.load_core_state_dict(meta, load_lr_scheduler_states)
-        rng_source = own if own is not None else None
-        if rng_source is None and shard_file(directory, zero.rank).is_file():
-            rng_source = torch.load(shard_file(directory, zero.rank), map_location="cpu", weights_only=False)
-        if rng_source is not None:
-            torch.set_rng_state(rng_source["rng"]["torch"])
-            if "devices" in rng_source["rng"]:
-                restore_rng(RngState.from_dict(rng_source["rng"]["devices"]))
-            random.setstate(rng_source["rng"]["python"])
+        if load_optimizer_states and engine.optimizer is not None and own["optimizer"] is not None:
+            engine.optimizer.load_state_dict(own["optimizer"])
+        _restore_counters(engine, meta, load_lr_scheduler_states)
+        _restore_rng(own["rng"])
     return meta["client_state"]
 
 
-def _load_resharded_optimizer(engine: Any, meta: dict[str, Any], files: list[dict[str, Any]]) -> None:
+def _restore_counters(engine: Any, state: dict[str, Any] | FullState, load_lr_scheduler_states: bool) -> None:
+    get = state.get if isinstance(state, dict) else lambda key, default=None: getattr(state, key, default)
+    scheduler, scaler = get("lr_scheduler"), get("loss_scaler")
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and scheduler is not None:
+        if "deepspeed" in scheduler:
+            _load_deepspeed_scheduler(engine.lr_scheduler, scheduler["deepspeed"])
+        else:
+            engine.lr_scheduler.load_state_dict(scheduler)
+    if scaler is not None and hasattr(engine.loss_scaler, "load_state_dict"):
+        engine.loss_scaler.load_state_dict(_from_deepspeed_scaler(scaler["deepspeed"]) if "deepspeed" in scaler else scaler)
+    engine.global_steps = get("global_steps", 0)
+    micro = get("micro_steps")
+    gas = engine.gradient_accumulation_steps
+    engine.micro_steps = micro if micro is not None else engine.global_steps * (gas() if callable(gas) else gas)
+    engine.skipped_steps = get("skipped_steps", 0) or 0
+    saved = get("extensions") or {}
+    for extension in getattr(engine, "extensions", []):  # the loss scaler is restored above, also from DeepSpeed's format
+        if extension.name in saved and extension.name != "mixed_precision":
+            extension.load_state_dict(saved[extension.name])
+
+
+def _load_deepspeed_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
+    """DeepSpeed's schedules save ``last_batch_iteration`` (-1 before the first step): the steps taken, less one.
+
+    dscompile's schedules are torch LR schedulers, whose ``last_epoch`` counts the steps taken.
+    """
+    if "last_batch_iteration" not in saved or not hasattr(scheduler, "last_epoch"):
+        log.warning("DeepSpeed scheduler state %s does not fit %s: the schedule restarts", sorted(saved), type(scheduler).__name__)
+        return
+    steps = int(saved["last_batch_iteration"]) + 1
+    state = scheduler.state_dict()
+    state.update(last_epoch=steps, _step_count=steps + 1)
+    scheduler.load_state_dict(state)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # the optimizer's groups were restored
+
+
+def _from_deepspeed_scaler(saved: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's LossScaler / DynamicLossScaler attributes as dscompile's loss scaler state."""
+    state = {"kind": "dynamic" if saved.get("dynamic") else "static", "cur_scale": float(saved.get("cur_scale", 1.0))}
+    if saved.get("dynamic"):
+        state.update(
+            cur_iter=int(saved.get("cur_iter", 0)),
+            last_overflow_iter=int(saved.get("last_overflow_iter", -1)),
+            cur_hysteresis=int(saved.get("cur_hysteresis", saved.get("delayed_shift", 1))),
+        )
+    return state
+
+
+def restore_full_state(engine: Any, full: FullState, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+    """Set the engine's parameters, optimizer states, scheduler and counters from a ``FullState``."""
     from dscompile.runtime.zero_shard import shard_of
 
+    model_names = [n for n, _ in engine.module.named_parameters()]
+    missing = [n for n in model_names if n not in full.params]
+    if missing:
+        raise CheckpointError(f"the {full.source} has no value for parameter(s) {missing[:6]} of this model: not a checkpoint of this model")
+    extra = {k: v for k, v in full.module_extra.items() if k not in full.params}
+    with torch.no_grad():
+        if engine.zero is not None:
+            engine.zero.load_full_state(full.params)
+        else:
+            for name, p in engine.module.named_parameters():
+                value = full.params[name]
+                if tuple(value.shape) != tuple(p.shape):
+                    raise CheckpointError(f"the {full.source} has parameter {name} of shape {tuple(value.shape)}, the model {tuple(p.shape)}")
+                p.copy_(value.to(p.dtype))
+    if extra:
+        engine.module.load_state_dict(extra, strict=False)
+    for note in full.notes:
+        log.warning("%s", note)
+    if load_module_only:
+        return
+    if load_optimizer_states and engine.optimizer is not None:
+        if full.optimizer is None:
+            log.warning("the %s holds no optimizer states: the optimizer starts fresh", full.source)
+        else:
+            _load_full_optimizer(engine, full, shard_of)
+    _restore_counters(engine, full, load_lr_scheduler_states)
+    if full.rng is not None:
+        _restore_rng(full.rng)
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if "devices" in rng:  # the accelerators' generators
+        restore_rng(RngState.from_dict(rng["devices"]))
+    random.setstate(rng["python"])
+
+
+def _load_full_optimizer(engine: Any, full: FullState, shard_of: Any) -> None:
+    """Cut the full per-parameter optimizer states into the engine's layout (shards or whole parameters)."""
     zero = engine.zero
-    states, saved_groups = full_optimizer_states(meta, files)
-    order = _optimizer_order(engine.optimizer, zero.shards)
+    names = optimizer_param_names(engine)
+    if zero is not None:
+        layouts = {layout.name: layout for layout in zero.layouts}
+    params = dict(engine.module.named_parameters())
     new_state: dict[int, dict[str, Any]] = {}
-    for position, i in enumerate(order):
-        layout = zero.layouts[i]
+    for position, name in enumerate(names):
+        numel = layouts[name].numel if zero is not None else params[name].numel()
         entries = {}
-        for key, value in states.get(layout.name, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == layout.numel:
-                entries[key] = shard_of(value, zero.rank, zero.world)
+        for key, value in full.optimizer.get(name, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.numel() == numel:  # element-wise state
+                flat = value.reshape(-1)
+                entries[key] = shard_of(flat, zero.rank, zero.world) if zero is not None else flat.view(params[name].shape).clone()
             else:
                 entries[key] = value.clone() if isinstance(value, torch.Tensor) else value
         if entries:
             new_state[position] = entries
-    current = engine.optimizer.state_dict()
-    groups = []
-    for saved, live in zip(saved_groups, current["param_groups"], strict=True):
-        groups.append({**saved, "params": live["params"]})
+    groups = [{k: v for k, v in g.items()} for g in engine.optimizer.state_dict()["param_groups"]]
+    saved_groups = full.param_groups or []
+    live_names, offset = [], 0
+    for group in engine.optimizer.param_groups:
+        live_names.append(names[offset : offset + len(group["params"])])
+        offset += len(group["params"])
+    same = len(saved_groups) == len(groups) and all(
+        saved.get("param_names") is None or list(saved["param_names"]) == members for saved, members in zip(saved_groups, live_names, strict=False)
+    )
+    if same:
+        for live, saved in zip(groups, saved_groups, strict=True):
+            live.update({k: v for k, v in saved.items() if k in live and k != "params"})
+    elif saved_groups:
+        log.warning("the %s groups its parameters differently from this engine's optimizer: kept this engine's hyper-parameters", full.source)
     engine.optimizer.load_state_dict({"state": new_state, "param_groups": groups})
-
-
-def resolve_tag(load_dir: Path, tag: str | None) -> str | None:
-    if tag is not None:
-        return str(tag)
-    latest = load_dir / LATEST
-    return latest.read_text().strip() if latest.is_file() else None
 
 
 def zero_to_fp32(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The full fp32 ``state_dict`` of a ZeRO checkpoint (every rank's shards joined, tied names kept).
 
-    ``checkpoint_dir`` is either the save directory (``latest`` picks the tag) or a tag directory.
+    ``checkpoint_dir`` is the save directory (``latest`` or ``tag`` picks the checkpoint) or a tag
+    directory. DeepSpeed's ZeRO checkpoints are read too.
     """
     root = Path(checkpoint_dir)
+    if not root.exists():
+        raise CheckpointError(f"{root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is a file; pass the checkpoint's directory")
     directory = root
-    if not (root / MODEL_STATES).is_file():
-        chosen = resolve_tag(root, tag)
+    if not any((root / name).exists() for name in (MODEL_STATES, MANIFEST, shard_name(0), "zero_pp_rank_0_mp_rank_00_model_states.pt")):
+        chosen = tag if tag is not None else read_latest(root)
         if chosen is None:
-            raise FileNotFoundError(f"{root} has neither {MODEL_STATES} nor a 'latest' file; pass the tag directory or --tag")
-        directory = root / chosen
-    meta = _load_meta(directory)
-    files = _load_shard_files(directory, meta["zero"]["world_size"])
-    params = full_parameters(meta, files)
-    state: dict[str, torch.Tensor] = dict(meta["module"])
-    for layout in meta["zero"]["layouts"]:
-        value = params[layout["name"]]
-        value = value.float() if value.is_floating_point() else value
-        for name in [layout["name"], *layout["aliases"]]:
-            state[name] = value
+            raise CheckpointError(
+                f"{root} is neither a checkpoint (no {MODEL_STATES}) nor a save directory with a 'latest' file; "
+                "pass the tag directory or --tag"
+            )
+        directory = root / str(chosen)
+        if not directory.is_dir():
+            raise CheckpointError(f"checkpoint {directory} does not exist")
+    kind = checkpoint_kind(directory)
+    if kind == "deepspeed":
+        from dscompile.runtime import deepspeed_checkpoint
+
+        full = deepspeed_checkpoint.read_full_state(directory, optimizer=False)
+    elif kind == "dscompile-zero":
+        full = _full_state_of_zero(CheckpointReader(directory))
+    elif kind == "dscompile-full":
+        raise CheckpointError(f"{directory} was saved without ZeRO: {MODEL_STATES} already holds the whole model under 'module'")
+    else:
+        raise CheckpointError(f"{directory} was saved by a PipelineEngine: its pipe_stage_*_model_states.pt files hold the weights by name")
+    state: dict[str, torch.Tensor] = dict(full.module_extra)
+    for name, value in full.params.items():
+        state[name] = value.float() if value.is_floating_point() else value
     return state
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dscompile zero-to-fp32 CKPT OUT [--tag TAG]``: write the consolidated fp32 state_dict to OUT."""
-    parser = argparse.ArgumentParser(prog="dscompile zero-to-fp32", description="Consolidate a ZeRO checkpoint into one fp32 state_dict file.")
+    parser = argparse.ArgumentParser(
+        prog="dscompile zero-to-fp32", description="Consolidate a ZeRO checkpoint (dscompile's or DeepSpeed's) into one fp32 state_dict file."
+    )
     parser.add_argument("checkpoint", help="the save directory (with 'latest') or one tag directory")
     parser.add_argument("output", help="where to write the state_dict (torch.save)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     args = parser.parse_args(list(argv) if argv is not None else None)
     state = zero_to_fp32(args.checkpoint, args.tag)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, args.output)
+    out = Path(args.output)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save(state, out)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {out}: {exc}") from None
     numel = sum(v.numel() for v in {id(v): v for v in state.values()}.values())
-    print(f"wrote {len(state)} tensors ({numel:,} elements) to {args.output}")
+    print(f"wrote {len(state)} tensors ({numel:,} elements) to {out}")
     return 0
 
 

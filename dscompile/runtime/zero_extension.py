@@ -144,12 +144,12 @@ class ZeroGradients(GradientStrategy):
 
     def failure_context(self, rank: int, what: str) -> contextlib.AbstractContextManager[None]:
         """Under multi-rank ZeRO a failed collective means a dead, stalled or diverged peer: say so."""
-        return explain_collective_failure(rank, what) if self.partition.world > 1 else contextlib.nullcontext()
+        return explain_collective_failure(rank, f"ZeRO {what}") if self.partition.world > 1 else contextlib.nullcontext()
 
-    def save_checkpoint(self, engine: EngineCore, directory: Path, client_state: dict | None) -> None:
+    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
         from dscompile.runtime import zero_checkpoint
 
-        zero_checkpoint.save(engine, directory, client_state)
+        zero_checkpoint.save(engine, ckpt, client_state)
 
     def load_checkpoint(
         self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
@@ -182,8 +182,9 @@ class ZeroExtension(EngineExtension):
             bucket_bytes=zc.reduce_bucket_size * params[0].element_size(),
             model_persistence_threshold=zc.stage3_model_persistence_threshold if zc.stage == 3 else None,
             allgather_partitions=zc.allgather_partitions,
+            ignore_unused_parameters=zc.ignore_unused_parameters,
         )
-        engine.zero = self.partition  # type: ignore[attr-defined]  # the handle tests and tools read
+        engine.zero = self.partition  # the handle checkpoints, tests and tools read
         if zc.stage >= 2:
             engine.compile_target = ZeroModule(engine.module, self.partition)  # type: ignore[attr-defined]
         if engine.optimizer is not None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError, DSCompileError
 from dscompile.runtime import zero_ops
 from dscompile.runtime.devices import collective_device
+
+log = logging.getLogger("dscompile.zero")
 
 OUT_OF_GRAPH_BUCKET_CAP = 64 << 20
 """Largest flat buffer (bytes) the eager gather/reduce of ZeRO-1/2 builds at once."""
@@ -148,12 +151,14 @@ class ZeroPartition:
         check_consistency: bool = True,
         model_persistence_threshold: int | None = None,
         allgather_partitions: bool = True,
+        ignore_unused_parameters: bool = True,
     ) -> None:
         if stage not in (1, 2, 3):
             raise DSCompileConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage}")
         self.module = module
         self.stage = stage
         self.group = group
+        self.ignore_unused_parameters = ignore_unused_parameters  # DeepSpeed's switch: False makes a gradient-less parameter an error
         self.rank, self.world = _world(group)
         self.allgather_partitions = allgather_partitions
         # "" (no process group, world size 1): the ZeRO ops run locally
@@ -229,12 +234,20 @@ class ZeroPartition:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """ZeRO-1 at the accumulation boundary: average the full gradients into the shards' grads."""
-        have = [i for i, p in enumerate(self.full_params) if p.grad is not None]
+        """ZeRO-1 at the accumulation boundary: average the full gradients into the shards' grads.
+
+        The ranks first agree (one small all-reduce) on which parameters have a gradient on any
+        rank; those are reduce-scattered everywhere, zeros standing in where a rank has none (a
+        branch it did not take), so the buckets line up. A parameter no rank used keeps no gradient.
+        """
+        counts = self.gradient_counts([p.grad is not None for p in self.full_params])
+        self.check_unused(counts)
+        have = [i for i, count in enumerate(counts) if count > 0]
         for bucket in self._buckets(have):
             rows = []
             for i in bucket:
-                g = self.full_params[i].grad.reshape(-1)
+                grad = self.full_params[i].grad
+                g = grad.reshape(-1) if grad is not None else self.full_params[i].new_zeros(self.layouts[i].numel)
                 rows.append(F.pad(g, (0, self.layouts[i].shard_numel * self.world - g.numel())).view(self.world, -1))
             flat = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
             grad_dtype = flat.dtype
@@ -255,6 +268,25 @@ class ZeroPartition:
                 offset += length
         for p in self.full_params:
             p.grad = None
+
+    def gradient_counts(self, present: list[bool]) -> list[int]:
+        """How many ranks have each parameter's gradient (an all-reduce of this rank's flags)."""
+        flags = torch.tensor(present, dtype=torch.int32)  # counts, not gradients: never in the communication dtype
+        if self.world > 1:
+            dist.all_reduce(flags, group=self.group)
+        return [int(c) for c in flags.tolist()]
+
+    def check_unused(self, counts: list[int] | None = None) -> None:
+        """``ignore_unused_parameters: false``: fail when a parameter got no gradient (on some rank).
+
+        Without ``counts`` (ZeRO-2/3 at the step) it reads the shards: their gradients come from
+        graphs every rank runs alike, so every rank sees the same and raises together.
+        """
+        if self.ignore_unused_parameters:
+            return
+        if counts is None:
+            counts = [self.world if s.grad is not None else 0 for s in self.shards]
+        check_unused_parameters([layout.name for layout in self.layouts], counts, self.world, None, strict=True)
 
     @torch.no_grad()
     def gather_full_params(self) -> None:
@@ -325,6 +357,21 @@ class ZeroPartition:
         return local
 
 
+def check_unused_parameters(names: list[str], counts: list[int], world: int, zero_section: Any, strict: bool = False) -> None:
+    """DeepSpeed's ``zero_optimization.ignore_unused_parameters: false``: a trainable parameter without a
+    gradient is an error. ``counts[i]`` ranks had parameter ``i``'s gradient (agreed, so every rank raises)."""
+    if not strict and (zero_section is None or zero_section.ignore_unused_parameters):
+        return
+    unused = [(name, world - count) for name, count in zip(names, counts, strict=True) if count < world]
+    if unused:
+        listed = ", ".join(f"{name} (on {missing} of {world} ranks)" for name, missing in unused[:8])
+        raise DSCompileError(
+            f"parameters got no gradient: {listed}{' ...' if len(unused) > 8 else ''}. zero_optimization.ignore_unused_parameters "
+            "is false, which makes this an error; set it to true (the default) to train on (zeros where a rank did not use a "
+            "parameter, no step for a parameter no rank used), or use every parameter in forward"
+        )
+
+
 def _lookup(state: dict[str, torch.Tensor], layout: ParamLayout) -> torch.Tensor:
     for name in [layout.name, *layout.aliases]:
         if name in state:
@@ -359,10 +406,11 @@ _PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer"
 
 @contextlib.contextmanager
 def explain_collective_failure(rank: int, what: str) -> Iterator[None]:
-    """Re-raise a failed collective as what it almost always means under ZeRO: a peer died, stalled or diverged.
+    """Re-raise a failed collective as what it almost always means: a peer died, stalled or diverged.
 
-    The collective itself fails on its own (a closed connection at once, a stalled peer at the
-    process group's ``timeout``); this only names the likely cause and where to look.
+    ``what`` names the operation (``"ZeRO forward"``, ``"engine.step()"``). The collective itself
+    fails on its own (a closed connection at once, a stalled peer at the process group's
+    ``timeout``); this only names the likely cause and where to look.
     """
     try:
         yield
@@ -372,14 +420,91 @@ def explain_collective_failure(rank: int, what: str) -> Iterator[None]:
         ):
             raise
         raise DSCompileError(
-            f"ZeRO {what} on rank {rank}: a collective failed, so another rank died, stalled past the process group "
+            f"{what} on rank {rank}: a collective failed, so another rank died, stalled past the process group "
             f"timeout (init_process_group(timeout=...)), or issued different collectives; the first error in the other "
             f"ranks' logs is the cause. {type(exc).__name__}: {exc}"
         ) from exc
 
 
+def collective_failures_explained(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Method decorator for engines (``world_size`` and ``rank`` or ``global_rank``): ``explain_collective_failure`` around the call."""
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self, "world_size", 1) <= 1:
+                return fn(self, *args, **kwargs)
+            with explain_collective_failure(getattr(self, "rank", getattr(self, "global_rank", 0)), what):
+                return fn(self, *args, **kwargs)
+
+        return run
+
+    return decorator
+
+
+class ZeroScheduleDivergence(DSCompileError):
+    """Ranks are about to run compiled ZeRO graphs whose collectives differ (parameters used on some ranks only)."""
+
+
+def agree_on_schedule(fingerprint: int, summary: str, group_name: str) -> None:
+    """Before a compiled ZeRO graph runs: check every rank is about to issue the same collectives.
+
+    The gathers and reduce-scatters of ZeRO-2/3 sit inside the compiled graphs, where the model
+    uses each parameter. A branch taken on some ranks only (a parameter unused there) gives those
+    ranks other graphs: their collectives would pair with the wrong ones (a hang, a crash, or
+    silently misaligned gradients). One all-gather of a 64-bit fingerprint of the schedule per
+    graph run (the ``zero_agree`` pass) catches it before any payload moves, on every rank at once.
+    """
+    pg = zero_ops.resolve_group(group_name)
+    world = dist.get_world_size(pg)
+    if world == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
+    every = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_single(every, mine, group=pg)
+    values = every.tolist()
+    if len(set(values)) > 1:
+        differing = [r for r, v in enumerate(values) if v != values[0]]
+        raise ZeroScheduleDivergence(
+            f"ZeRO: ranks {differing} compiled other collectives than rank 0 for this step (this rank, {dist.get_rank(pg)}: {summary}). "
+            "The model uses different parameters (or the same in another order) on different ranks, e.g. a branch "
+            "taken on some ranks only, so the gathers/reduce-scatters inside the compiled graphs cannot pair up."
+        )
+
+
+def run_agreeing(compiled: Callable[..., Any], zero_module: ZeroModule | None, args: tuple, kwargs: dict) -> Any:
+    """Call the compiled ZeRO model; if the ranks' schedules diverge, switch to up-front collectives once.
+
+    Every rank sees the same fingerprints, so every rank switches at the same call.
+    """
+    try:
+        return compiled(*args, **kwargs)
+    except ZeroScheduleDivergence as exc:
+        if zero_module is None or zero_module.collectives_up_front:
+            raise
+        if not zero_module.partition.ignore_unused_parameters:
+            raise ZeroScheduleDivergence(
+                f"{exc} zero_optimization.ignore_unused_parameters is false, which makes a parameter without a gradient on "
+                "some rank an error; set it to true (the default) to train on with zero gradients there"
+            ) from exc
+        log.warning(
+            "%s Falling back to issuing every parameter's collectives up front, in one graph the same on every rank "
+            "(correct, but ZeRO-3 keeps all parameters gathered through the step and nothing overlaps).",
+            exc,
+        )
+        zero_module.collectives_up_front = True
+        return compiled(*args, **kwargs)
+
+
 class ZeroModule(nn.Module):
-    """Runs ``module`` on parameters built from shards by the ZeRO ops (stages 2 and 3)."""
+    """Runs ``module`` on parameters built from shards by the ZeRO ops (stages 2 and 3).
+
+    ``collectives_up_front`` (set by ``run_agreeing`` when ranks diverge) puts a graph break between
+    the ZeRO ops and the model: the first graph then gathers every parameter, and its backward
+    reduce-scatters every gradient (zeros where a rank did not use the parameter), identically on
+    every rank, whatever each rank's model graphs do.
+    """
 
     def __init__(self, module: nn.Module, partition: ZeroPartition) -> None:
         super().__init__()
@@ -390,6 +515,7 @@ class ZeroModule(nn.Module):
         object.__setattr__(self, "partition", partition)
         self._plan = [(layout.name, layout.persistent, list(layout.shape), layout.numel) for layout in partition.layouts]
         self._group = partition.group_name
+        self.collectives_up_front = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors: dict[str, torch.Tensor] = {}
@@ -399,6 +525,8 @@ class ZeroModule(nn.Module):
                 tensors[name] = torch.ops.dscompile.zero_use(shard, getattr(owner, leaf), self._group)
             else:
                 tensors[name] = torch.ops.dscompile.zero_gather(shard, shape, numel, self._group)
+        if self.collectives_up_front:
+            torch._dynamo.graph_break()
         return torch.func.functional_call(self.module, tensors, args, kwargs)
 
 

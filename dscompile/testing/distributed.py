@@ -9,6 +9,9 @@ so `fn` must be defined at module level in an importable module (not a lambda, c
 function defined inside a test); the test suite keeps its targets in
 `dscompile.testing._selftest`.
 
+Fault tests name the ranks they kill (``may_die=[1]``): such a rank dying from a signal does not
+fail the run; its result is a ``RankDied`` and the other ranks run to their own end.
+
 Why it looks like this: a distributed test must never hang and must say which rank failed and
 why. The parent hosts the rendezvous TCPStore (bound to a free port by the OS, so no port
 races, and it outlives any rank), watches every rank's result pipe and process sentinel, stops
@@ -28,7 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -51,6 +54,21 @@ def free_port(host: str = MASTER_ADDR) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class RankDied:
+    """The result of a rank listed in ``may_die`` that was killed by a signal (a fault test's victim)."""
+
+    rank: int
+    exitcode: int
+
+    @property
+    def signal(self) -> str:
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
 
 
 @dataclass
@@ -129,6 +147,7 @@ def run_distributed(
     backend: str = "gloo",
     env: Mapping[str, str] | None = None,
     collective_timeout: float | None = None,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results in rank order.
 
@@ -142,6 +161,8 @@ def run_distributed(
     - Return values must be picklable; tensors in lists/tuples/dicts come back detached on CPU.
     - A rank that raises or dies fails the run with DistributedTestError at once (the others
       are terminated); no processes outlive the call.
+    - `may_die` lists ranks a fault test kills on purpose: such a rank killed by a signal gives
+      `RankDied` as its result, and the run waits for the others to finish (or the deadline).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -192,7 +213,7 @@ def run_distributed(
                 writer.close()
                 procs.append(proc)
                 conns.append(reader)
-            return _supervise(procs, conns, stack_files, time.monotonic() + timeout, timeout)
+            return _supervise(procs, conns, stack_files, time.monotonic() + timeout, timeout, frozenset(may_die))
         finally:
             _stop(procs)
             for conn in conns:
@@ -243,7 +264,9 @@ def _patched_environ(updates: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _supervise(procs: list[Any], conns: list[Connection], stack_files: list[str], deadline: float, timeout: float) -> list[Any]:
+def _supervise(
+    procs: list[Any], conns: list[Connection], stack_files: list[str], deadline: float, timeout: float, may_die: frozenset[int] = frozenset()
+) -> list[Any]:
     """Wait for every rank to report and exit; raise on the first failure or at the deadline."""
     world_size = len(procs)
     results: dict[int, Any] = {}
@@ -292,7 +315,10 @@ def _supervise(procs: list[Any], conns: list[Connection], stack_files: list[str]
                 if rank in open_conns and open_conns[rank].poll(0):
                     receive(rank)  # the result arrived together with the exit
                 code = procs[rank].exitcode
-                if rank not in reported or (rank in results and code != 0):
+                if rank in may_die and rank not in reported and code is not None and code < 0:
+                    results[rank] = RankDied(rank, code)  # the fault test's victim: not a failure
+                    reported.add(rank)
+                elif rank not in reported or (rank in results and code != 0):
                     failures.append(RankFailure(rank, code))
                     reported.add(rank)
     if failures:
@@ -387,6 +413,9 @@ def _rank_main(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout)
         )
+        # Every rank's connections are up before any rank may finish: a rank whose fn returns at once would
+        # otherwise close its side while a slower peer is still connecting ("connectFullMesh failed").
+        dist.barrier()
         result = fn(rank, world_size, *args)
         if dist.is_initialized():
             dist.destroy_process_group()
