@@ -38,18 +38,46 @@ ALLOWED_UNREAD: dict[tuple[str, str], str] = {
     "re-gathers from the graph (unshard_budget) (same maths, documented)",
     ("ZeroConfig", "memory_efficient_linear"): "DeepSpeed's custom linear autograd function for ZeRO-3; the compiled graph "
     "releases gathered weights itself (same maths, documented)",
-    ("ZeroConfig", "reduce_scatter"): "false asks DeepSpeed for an all-reduce instead of a reduce-scatter: the same averaged "
-    "gradients; validate logs that dscompile reduce-scatters",
     ("ZeroConfig", "elastic_checkpoint"): "every dscompile ZeRO checkpoint loads on any world size (resharded), so both values "
     "behave as true (tests/test_zero_checkpoint.py); documented in ZeroConfig",
     ("ActivationCheckpointingConfig", "contiguous_memory_optimization"): "DeepSpeed copies checkpointed activations into one "
     "preallocated buffer against fragmentation; the compiled graph's allocator plans these buffers (same maths)",
+    ("ZeroConfig", "use_multi_rank_bucket_allreduce"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
+    ("ZeroConfig", "compute_grad_norm"): "dscompile computes the global norm only where clipping needs it; get_global_grad_norm() reports it then (documented)",
+    ("ZeroConfig", "stage3_module_granularity_threshold"): "DeepSpeed's hook granularity for ZeRO-3 leaf modules; the compiled graph places gathers per "
+    "use (documented)",
+    ("ZeroConfig", "stage3_use_all_reduce_for_fetch_params"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in "
+    "ZeroConfig)",
+    ("ZeroConfig", "stage3_allgather_sequential"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
+    ("ZeroConfig", "legacy_stage1"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
+    ("ZeroConfig", "parameter_alignment"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
+    ("ZeroConfig", "log_trace_cache_warnings"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
+    ("ZeroConfig", "enable_sanity_checks"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
+    ("ZeroConfig", "save_muon_momentum_buffer_in_memory"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
+    ("ZeroConfig", "cpu_offload_use_pin_memory"): "pinning for offload buffers; offload itself is refused, so there is nothing to pin (documented)",
+    ("ZeroConfig", "leaf_module"): "DeepSpeed's ZeRO-3 leaf-module hooks; the compiled graph sees through modules (documented)",
+    ("BF16Config", "immediate_grad_update"): "when DeepSpeed's bf16 optimizer copies gradients; the maths is the same (documented in BF16Config)",
+    ("OptimizerConfig", "legacy_fusion"): "DeepSpeed's fp16 optimizer implementation switch; the maths is the same",
+    ("PipelineParallelConfig", "seed_layers"): "read by DeepSpeed's PipelineModule, not from the config (documented in PipelineParallelConfig)",
+    ("PipelineParallelConfig", "pipe_partitioned"): "splits activations over a tensor-parallel group, which is not built: nothing to split, as in "
+    "DeepSpeed without model parallelism",
+    ("PipelineParallelConfig", "grad_partitioned"): "splits gradients over a tensor-parallel group, which is not built: nothing to split, as in DeepSpeed "
+    "without model parallelism",
+    ("PipelineParallelConfig", "use_reentrant"): "picks DeepSpeed's recomputation API; the gradients are the same",
+    ("CompressionConfig", "weight_quantization"): "read by name: CompressionConfig.technique(name) is getattr over TECHNIQUES (tests/test_compression*.py)",
+    ("CompressionConfig", "activation_quantization"): "read by name: CompressionConfig.technique(name) is getattr over TECHNIQUES (tests/test_compression*.py)",
+    ("CompressionConfig", "sparse_pruning"): "read by name: CompressionConfig.technique(name) is getattr over TECHNIQUES (tests/test_compression*.py)",
+    ("CompressionConfig", "row_pruning"): "read by name: CompressionConfig.technique(name) is getattr over TECHNIQUES (tests/test_compression*.py)",
+    ("CompressionConfig", "head_pruning"): "read by name: CompressionConfig.technique(name) is getattr over TECHNIQUES (tests/test_compression*.py)",
+    ("CompressionConfig", "channel_pruning"): "read by name: CompressionConfig.technique(name) is getattr over TECHNIQUES (tests/test_compression*.py)",
 }
 
 # Non-default values to try where flipping the default is not enough to reach the refusal.
 NON_DEFAULT: dict[tuple[str, str], Any] = {
     ("ZeroConfig", "offload_optimizer"): {"device": "cpu"},
     ("ZeroConfig", "offload_param"): {"device": "nvme"},
+    ("ZeroConfig", "cpu_offload_param"): True,
+    ("ZeroConfig", "zenflow"): {"topk_ratio": 0.1},
 }
 
 
