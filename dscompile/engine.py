@@ -28,9 +28,9 @@ from dscompile.arguments import config_source
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.data_parallel import DataParallelGradients
-from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
 from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agree_any, params_or_error, register_engine_extension
+from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_extension import shard_optimizer
@@ -189,9 +189,6 @@ def _resolve_optimizer(
 
 
 def _resolve_scheduler(config: DSConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer | None) -> Any:
-    if lr_scheduler is not None and config.scheduler is not None:
-        # DeepSpeed's rule (engine._configure_lr_scheduler): the client's scheduler wins.
-        log.warning("lr_scheduler= was given, so the config's 'scheduler' section (%s) is ignored, as DeepSpeed does", config.scheduler.type)
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(optimizer)
@@ -267,6 +264,9 @@ def initialize(
             "model", f"{where}, so the optimizer has nothing to train", "pass a model with parameters that require grad (or no optimizer, for inference)"
         )
     opt = _resolve_optimizer(cfg, optimizer, params)
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        # DeepSpeed's rule (engine._configure_lr_scheduler): the client's scheduler wins.
+        log.warning("lr_scheduler= was given, so the config's 'scheduler' section (%s) is ignored, as DeepSpeed does", cfg.scheduler.type)
     if pipe is not None:
         from dscompile.runtime.pipeline_engine import PipelineEngine
 

@@ -304,6 +304,8 @@ class EngineCore:
             getattr(extension, hook)(self, *args)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()  # as DeepSpeed: a 16-bit loss times the loss scale would overflow
         for extension in self.extensions:
             loss = extension.scale_loss(self, loss)
         return loss

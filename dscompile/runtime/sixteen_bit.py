@@ -14,8 +14,11 @@ compiled module an engine calls:
   That dtype is found once, on the first call, by running the module on fake tensors (no compute,
   no memory) with its floating parameters and buffers cast to the low precision, as
   ``module.bfloat16()`` would; an output the module upcasts itself (a loss computed from
-  ``logits.float()``, as Hugging Face models do) stays fp32. When that fake run fails (an op the
-  fake tensors cannot follow) the outputs keep the compiled graph's dtypes, and the reason is logged.
+  ``logits.float()``, as Hugging Face models do) stays fp32. One exception, on purpose: a scalar
+  output (a loss the model computes) keeps the graph's fp32, since rounding a loss to 16 bits only
+  loses precision and, once fp16 loss scaling multiplies it, overflows (DeepSpeed upcasts the loss
+  before scaling for the same reason). When the fake run fails (an op the fake tensors cannot
+  follow) the outputs keep the compiled graph's dtypes, and the reason is logged.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class OutputDtypes:
         if self.dtypes is None or len(leaves) != len(self.dtypes):
             return out
         cast = [
-            leaf.to(dtype) if dtype is not None and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype else leaf
-            for leaf, dtype in zip(leaves, self.dtypes)
+            leaf.to(dtype) if dtype is not None and isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.dtype != dtype else leaf
+            for leaf, dtype in zip(leaves, self.dtypes)  # scalars (losses) keep fp32: module docstring
         ]
         return pytree.tree_unflatten(cast, spec)
