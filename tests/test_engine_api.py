@@ -271,7 +271,7 @@ def test_sixteen_bit_convention_on_a_hugging_face_model() -> None:
     pytest.importorskip("transformers")
     case, reference = build("hf_gpt2"), build("hf_gpt2")
     engine, *_ = dscompile.initialize(model=case.model, config={"bf16": {"enabled": True}, "optimizer": SGD})
-    (ids,), targets = make_batch(case, seed=1)
+    ids, targets = make_batch(case, seed=1)
     logits, loss = engine(ids), engine(ids, targets)
     sixteen = copy.deepcopy(reference.model).bfloat16()
     assert (logits.dtype, loss.dtype) == (sixteen(ids).dtype, sixteen(ids, targets).dtype) == (torch.bfloat16, torch.float32)
