@@ -29,7 +29,9 @@ from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.data_parallel import DataParallelGradients
+from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
 from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agree_any, params_or_error, register_engine_extension
+from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_extension import shard_optimizer
@@ -80,7 +82,12 @@ class DSCompileEngine(nn.Module, EngineCore):
         self._compiled = self._compile(self.compile_target, config)
 
     def _compile(self, target: nn.Module, config: DSConfig) -> Any:
-        return torch.compile(target, backend="dscompile", options=config) if self.compiles_model else target
+        compiled = torch.compile(target, backend="dscompile", options=config) if self.compiles_model else target
+        return EngineEntry(compiled, self, self.compute_dtype, target)  # DeepSpeed's 16-bit convention, loss.backward()
+
+    def release_compiled(self) -> None:
+        """``destroy()``: drop the compiled graphs; a later forward says the engine is gone."""
+        self._compiled = _Destroyed()
 
     def recompile(self, config: DSConfig) -> None:
         """Compile the model again under ``config`` (an extension re-planned, e.g. ZeRO profiling)."""
@@ -95,22 +102,19 @@ class DSCompileEngine(nn.Module, EngineCore):
         self._hook("after_forward")
         return out
 
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.accumulation_steps
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` applies the optimizer (the last micro-step of a batch)."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
-
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss``, divided by the accumulation steps as DeepSpeed does."""
         if not loss.requires_grad:
             raise RuntimeError("engine.backward(loss): loss does not require grad; call it on the training output of engine(...)")
-        scaled = loss / self.gradient_accumulation_steps if scale_wrt_gas and self.gradient_accumulation_steps > 1 else loss
+        gas = self.gradient_accumulation_steps()
+        scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
         scaled = self.scale_loss(scaled)
         with self.phase("backward"), self.gradients.failure_context(self.global_rank, "backward"):
-            scaled.backward()
+            self.in_engine_backward = True
+            try:
+                scaled.backward()
+            finally:
+                self.in_engine_backward = False
         self._hook("after_backward")
         return loss
 
@@ -164,11 +168,19 @@ class DSCompileEngine(nn.Module, EngineCore):
         return str(directory), client
 
 
+class _Destroyed(nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this engine was destroyed (engine.destroy()); build a new one with dscompile.initialize to train again")
+
+
 def _resolve_optimizer(
     config: DSConfig, optimizer: Any, params: Iterable[Any]
 ) -> torch.optim.Optimizer | None:
     if optimizer is not None and config.optimizer is not None:
-        raise DSCompileConfigError("optimizer", "given both in the config and as the optimizer= argument", "keep only one of them")
+        # DeepSpeed's rule (engine._configure_optimizer): the client's optimizer wins, the section is not read.
+        log.warning(
+            "optimizer= was given, so the config's 'optimizer' section (%s) is ignored, as DeepSpeed does", config.optimizer.type
+        )
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
@@ -179,8 +191,6 @@ def _resolve_optimizer(
 
 
 def _resolve_scheduler(config: DSConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer | None) -> Any:
-    if lr_scheduler is not None and config.scheduler is not None:
-        raise DSCompileConfigError("scheduler", "given both in the config and as the lr_scheduler= argument", "keep only one of them")
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(optimizer)
@@ -192,14 +202,14 @@ def _resolve_scheduler(config: DSConfig, lr_scheduler: Any, optimizer: torch.opt
     return None
 
 
-def _build_dataloader(config: DSConfig, training_data: Any, collate_fn: Callable | None, world_size: int, rank: int) -> Any:
+def _build_dataloader(
+    config: DSConfig, training_data: Any, collate_fn: Callable | None, world_size: int, rank: int, shuffle: bool = True
+) -> Any:
+    """DeepSpeed's training loader (``dataloader_drop_last`` false by default: the last partial batch is kept)."""
     if training_data is None:
         return None
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    batch_size = config.train_micro_batch_size_per_gpu or 1
-    sampler = DistributedSampler(training_data, num_replicas=world_size, rank=rank) if world_size > 1 else None
-    return DataLoader(training_data, batch_size=batch_size, sampler=sampler, shuffle=False, collate_fn=collate_fn, drop_last=True)
+    drop_last = bool(config.sections.get("dataloader_drop_last", False))
+    return EpochLoader(training_data, config.train_micro_batch_size_per_gpu or 1, world_size, rank, collate_fn, drop_last, shuffle)
 
 
 def initialize(
@@ -256,13 +266,18 @@ def initialize(
             "model", f"{where}, so the optimizer has nothing to train", "pass a model with parameters that require grad (or no optimizer, for inference)"
         )
     opt = _resolve_optimizer(cfg, optimizer, params)
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        # DeepSpeed's rule (engine._configure_lr_scheduler): the client's scheduler wins.
+        log.warning("lr_scheduler= was given, so the config's 'scheduler' section (%s) is ignored, as DeepSpeed does", cfg.scheduler.type)
     if pipe is not None:
         from dscompile.runtime.pipeline_engine import PipelineEngine
 
         scheduler = _resolve_scheduler(cfg, lr_scheduler, opt)
         loss_fn = model.loss_fn if configure_pipeline is not None else None
         engine = PipelineEngine(model, cfg, opt, scheduler, loss_fn=loss_fn)  # keeps only this rank's stages' parameters in opt
-        return engine, opt, _build_dataloader(cfg, training_data, collate_fn, world_size, rank), scheduler
+        if training_data is not None:  # DeepSpeed's pipeline loader: in order, endless; train_batch() draws from it
+            engine.set_dataloader(RepeatingLoader(_build_dataloader(cfg, training_data, collate_fn, world_size, rank, shuffle=False)))
+        return engine, opt, engine.training_dataloader, scheduler
     # Extensions may move the optimizer (ZeRO steps the shards), so a scheduler built here is built over the engine's.
     ready = lr_scheduler if lr_scheduler is not None and hasattr(lr_scheduler, "step") else None
     engine = DSCompileEngine(model, cfg, opt, ready)

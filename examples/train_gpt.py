@@ -73,7 +73,7 @@ def main() -> None:
     if rank == 0:
         stage = engine.zero_optimization_stage()
         print(f"{args.model}: {n_params / 1e6:.2f}M parameters, ZeRO stage {stage}, {world} rank(s), {device}")
-    gas = engine.gradient_accumulation_steps
+    gas = engine.gradient_accumulation_steps()
     start = time.perf_counter()
     while engine.global_steps < args.steps:
         step = engine.global_steps

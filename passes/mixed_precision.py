@@ -35,6 +35,13 @@ dtype; the engine does the same for ZeRO-1's and plain data parallelism's reduct
 parameter all-gathers move the compute-precision copy whatever this key says (as in DeepSpeed,
 where the key only governs gradient reductions).
 
+DeepSpeed's 16-bit convention (its module is cast to 16 bits, so scripts feed 16-bit inputs and read
+16-bit outputs) is kept outside this pass, at the engine's boundary (``runtime/sixteen_bit.py``):
+16-bit inputs are upcast exactly before the graph (which casts them back where the policy computes
+in the low precision) and outputs are cast to the 16-bit module's dtypes after it. The graph itself
+keeps fp32 master weights and its traced output dtypes, so ``torch.compile(..., backend="dscompile")``
+used directly returns what the fp32 module returns.
+
 The config keys are DeepSpeed's ``bf16`` and ``fp16`` sections; they also install the engine
 extension ``MixedPrecision`` (``dscompile.runtime.loss_scaler``) in every engine, pipeline engines
 included: the reduction dtype above and, for fp16, DeepSpeed's dynamic loss scaler, read as

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# The repository's own folders ``kernels/``, ``passes/`` and ``backends/`` install as
+# ``dscompile.kernels`` etc.; seen from the repository root (``python -m pytest`` puts it on
+# sys.path) they would shadow top-level packages of the same name, e.g. Hugging Face's ``kernels``
+# that transformers >= 5.25 imports. Tests import the installed package, never the bare folders.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch

@@ -96,8 +96,9 @@ def test_client_optimizer_and_callables():
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1),
     )
     assert made.param_groups[0]["lr"] == 0.2 and isinstance(sched, torch.optim.lr_scheduler.StepLR)
-    with pytest.raises(DSCompileConfigError, match="both"):
-        dscompile.initialize(model=model, optimizer=opt, config={"optimizer": {"type": "SGD", "params": {"lr": 1}}})
+    # DeepSpeed's rule: the optimizer= argument wins over a config section (logged; tests/test_engine_api.py)
+    _, chosen, _, _ = dscompile.initialize(model=model, optimizer=opt, config={"optimizer": {"type": "SGD", "params": {"lr": 1}}})
+    assert chosen is opt
 
 
 def test_warmup_schedules_follow_deepspeed_formulas():

@@ -63,7 +63,7 @@ def test_initialize_returns_the_pipeline_engine_for_a_pipeline_config():
     cfg = {"gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 1, "compile": False}}
     case, ref = build("mlp"), build("mlp")
     engine, optimizer, _, _ = dscompile.initialize(model=case.model, config=cfg)
-    assert isinstance(engine, PipelineEngine) and engine.gradient_accumulation_steps == 2
+    assert isinstance(engine, PipelineEngine) and engine.gradient_accumulation_steps() == 2
     with pytest.raises(RuntimeError, match="train_batch"):
         engine.backward(torch.zeros(()))
     with pytest.raises(DSCompileConfigError, match="PipelineEngine"):

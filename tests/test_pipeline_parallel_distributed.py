@@ -111,7 +111,7 @@ def _through_initialize(rank: int, m: int, steps: int) -> dict:
         "pipeline": {"stages": 2, "schedule": "1f1b", "compile": False},
     }
     engine, optimizer, _, _ = dscompile.initialize(model=case.model, config=cfg)
-    assert isinstance(engine, PipelineEngine) and engine.optimizer is optimizer and engine.gradient_accumulation_steps == m
+    assert isinstance(engine, PipelineEngine) and engine.optimizer is optimizer and engine.gradient_accumulation_steps() == m
     with pytest.raises(RuntimeError, match="train_batch"):
         engine(*_data(case, 1, 1)[0])
     it = iter(_data(case, steps, m))

@@ -53,6 +53,7 @@ The extension protocol (``EngineExtension``; every hook has a no-op default)
 ``state_dict() / load_state_dict(state)`` its share of a checkpoint (saved under ``extensions[name]``).
 ``counters() -> dict``                    numbers for ``engine.communication_stats()`` (under ``extensions``);
                                           collectives it issues go through ``engine.comm_stats.timed``.
+``destroy(engine)``                       from ``engine.destroy()``: release what it holds (buffers, hooks).
 
 The gradient strategy (``GradientStrategy``; exactly one per engine)
 -------------------------------------------------------------------
@@ -79,20 +80,23 @@ communication counters (``runtime/comm_stats.py``; ``communication_stats()``).
 
 What every engine has from the core
 -----------------------------------
-``config``, ``world_size``, ``global_rank`` (``rank``), ``optimizer``, ``lr_scheduler``,
-``global_steps``, ``micro_steps``, ``skipped_steps``, ``gradients``, ``extensions``,
-``communication_data_type``, ``loss_scaler``; ``get_lr()``, ``get_global_grad_norm()``,
-``zero_optimization_stage()``, ``wall_clock_breakdown()``, ``memory_breakdown()``, ``step_timings()``,
-``step_memory()``, ``communication_stats()``, ``full_parameters()``, ``model_state_bytes()``,
-``save_16bit_model()``, ``core_state_dict()`` / ``load_core_state_dict()`` (what every checkpoint
-layout stores beside model and optimizer). DeepSpeed's engine accessors belong here too, so that
-every engine answers them alike.
+``config``, ``world_size``, ``global_rank`` (``rank``), ``local_rank``, ``device``, ``module``,
+``optimizer``, ``lr_scheduler``, ``global_steps``, ``micro_steps``, ``skipped_steps``, ``gradients``,
+``extensions``, ``communication_data_type``, ``loss_scaler``; DeepSpeed's accessors with DeepSpeed's
+signatures (methods, not properties): ``fp16_enabled()``, ``bfloat16_enabled()``,
+``gradient_accumulation_steps()``, ``train_micro_batch_size_per_gpu()``, ``train_batch_size()``,
+``is_gradient_accumulation_boundary()``, ``get_lr()``, ``get_global_grad_norm()``,
+``zero_optimization_stage()``, ``wall_clock_breakdown()``, ``memory_breakdown()``, ``destroy()``;
+and ``step_timings()``, ``step_memory()``, ``communication_stats()``, ``full_parameters()``,
+``model_state_bytes()``, ``save_16bit_model()``, ``core_state_dict()`` / ``load_core_state_dict()``
+(what every checkpoint layout stores beside model and optimizer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -157,6 +161,9 @@ class EngineExtension:
     def counters(self) -> dict[str, Any]:
         """Numbers for ``engine.communication_stats()``."""
         return {}
+
+    def destroy(self, engine: EngineCore) -> None:
+        """From ``engine.destroy()``: release buffers and hooks (called once)."""
 
 
 ExtensionFactory = Callable[[Any], "EngineExtension | None"]
@@ -247,6 +254,9 @@ class EngineCore:
         self.config = config
         self.world_size, self.global_rank = world_info()
         self.zero: Any = None  # the ZeroPartition when ZeRO is on (set by its extension): read by checkpoints and tools
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # as DeepSpeed reads it from the launcher
+        self.destroyed = False
+        self.in_engine_backward = False  # True while engine.backward runs (a plain loss.backward() is scaled by hooks)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
@@ -295,6 +305,8 @@ class EngineCore:
             getattr(extension, hook)(self, *args)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()  # as DeepSpeed: a 16-bit loss times the loss scale would overflow
         for extension in self.extensions:
             loss = extension.scale_loss(self, loss)
         return loss
@@ -371,7 +383,67 @@ class EngineCore:
         with self.timers.time(name), self.memory.phase(name), collecting(self.comm_stats):
             yield
 
-    # -- what users read -----------------------------------------------------------------------
+    # -- what users read (DeepSpeed's accessors, with DeepSpeed's signatures) ----------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (DeepSpeed's ``engine.device``)."""
+        from dscompile.runtime.devices import device_of
+
+        return device_of(self.module.parameters())
+
+    def fp16_enabled(self) -> bool:
+        section = self.config.sections.get("fp16")
+        return bool(section is not None and section.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        section = self.config.sections.get("bf16")
+        return bool(section is not None and section.enabled)
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.config.accumulation_steps
+
+    def data_parallel_world_size(self) -> int:
+        """Ranks that train on different data (every rank here; a pipeline engine counts pipelines)."""
+        return self.world_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        micro = self.config.train_micro_batch_size_per_gpu
+        if micro is None:
+            tb = self.config.train_batch_size
+            if tb is None:
+                raise DSCompileConfigError(
+                    "train_micro_batch_size_per_gpu", "is not set (nor train_batch_size)", 'add "train_micro_batch_size_per_gpu" to the config'
+                )
+            micro = tb // (self.gradient_accumulation_steps() * self.data_parallel_world_size())
+        return micro
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks: micro batch x accumulation x ranks."""
+        tb = self.config.train_batch_size
+        if tb is None:
+            tb = self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.data_parallel_world_size()
+        return tb
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` applies the optimizer (the last micro-step of a batch)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def destroy(self) -> None:
+        """Release compiled graphs, hooks and extension buffers (DeepSpeed's ``destroy``); idempotent.
+
+        The engine cannot train afterwards; its module and optimizer stay usable in plain PyTorch.
+        """
+        if self.destroyed:
+            return
+        self.destroyed = True
+        for extension in self.extensions:
+            extension.destroy(self)
+        self.release_compiled()
+
+    def release_compiled(self) -> None:
+        """Drop what the engine compiled (each engine knows its own)."""
+
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 

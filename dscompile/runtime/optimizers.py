@@ -2,7 +2,9 @@
 
 DeepSpeed's ``Adam`` decouples weight decay unless ``adam_w_mode`` is false, so ``Adam`` maps to
 ``torch.optim.AdamW`` by default; ``torch_adam`` and ``fused`` only choose an implementation there
-and are accepted for compatibility. ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` are
+and are accepted for compatibility. Defaults are DeepSpeed's: for ``Adam``/``AdamW`` an absent
+``weight_decay`` is 0 (DeepSpeed's FusedAdam and CPU Adam), except with ``torch_adam: true``, where
+DeepSpeed builds torch's class with torch's defaults (AdamW: 0.01). ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` are
 ``dscompile.runtime.onebit``'s compressed-communication optimizers.
 """
 
@@ -44,11 +46,13 @@ def build_optimizer(section: OptimizerConfig, params: Iterable[Any]) -> torch.op
     kwargs = dict(section.params)
     if kind in _UNBUILT:
         raise DSCompileNotSupportedError("optimizer.type", _UNBUILT[kind])
-    if kind == "adam":
+    if kind in ("adam", "adamw"):
         adam_w_mode = kwargs.pop("adam_w_mode", True)
         if not isinstance(adam_w_mode, bool):
             raise DSCompileConfigError("optimizer.params.adam_w_mode", f"expected true or false, got {adam_w_mode!r}")
-        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode or kind == "adamw" else torch.optim.Adam
+        if not kwargs.get("torch_adam", False):
+            kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam/CPU Adam default, not torch AdamW's 0.01
     elif kind in _TORCH_OPTIMIZERS:
         cls = _TORCH_OPTIMIZERS[kind]
     elif kind in ONEBIT_OPTIMIZERS:

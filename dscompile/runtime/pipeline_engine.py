@@ -53,6 +53,7 @@ from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forwa
 from dscompile.runtime.pipeline_gradients import PipelineGradients
 from dscompile.runtime.pipeline_p2p import P2P
 from dscompile.runtime.pipeline_schedules import build_schedule
+from dscompile.runtime.sixteen_bit import upcast_low_precision
 from dscompile.runtime.zero_shard import collective_failures_explained
 
 log = logging.getLogger("dscompile.pipeline_engine")
@@ -221,6 +222,8 @@ class PipelineEngine(EngineCore):
         self.last_timeline: Timeline | None = None
         self.last_batch_seconds = 0.0
         self._pending_load: tuple[Any, ...] | None = None
+        self.training_dataloader: Any = None
+        self.data_iterator: Iterator[Any] | None = None
         if self.world_size > 1:
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
@@ -254,10 +257,28 @@ class PipelineEngine(EngineCore):
         return self.stage_id == self.num_stages - 1
 
     # -- DeepSpeed's pipeline-mode API ---------------------------------------------------------
-    @property
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step (DeepSpeed's name for them)."""
         return self.micro_batches
+
+    def data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Draw ``train_batch()``'s micro-batches from ``loader`` (``initialize(training_data=...)`` sets one)."""
+        self.training_dataloader = loader
+        self.data_iterator = iter(loader) if loader is not None else None
+
+    def set_dataiterator(self, iterator: Iterator[Any] | None) -> None:
+        """Draw ``train_batch()``'s micro-batches from ``iterator`` from now on (as DeepSpeed's engine does)."""
+        self.training_dataloader = None
+        self.data_iterator = iterator
+
+    def release_compiled(self) -> None:
+        """``destroy()``: drop the stage graphs and their runners."""
+        self.runners = {}
+        self.program = None
+        self.data_iterator = None
 
     def _only_train_batch(self, name: str) -> RuntimeError:
         return RuntimeError(
@@ -369,12 +390,19 @@ class PipelineEngine(EngineCore):
 
     # -- training ------------------------------------------------------------------------------
     def _fetch(self, data_iter: Iterator[Any] | None) -> list[Sequence[Any]] | None:
-        if data_iter is None:
+        """``micro_batches`` items of ``data_iter``, or of the iterator set before (DeepSpeed's rule:
+        a given iterator is kept for later calls); 16-bit inputs upcast (``runtime/sixteen_bit.py``)."""
+        if self.destroyed:
+            raise RuntimeError("this engine was destroyed (engine.destroy()); build a new one to train again")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        if self.data_iterator is None:
             return None
         batches = []
         for _ in range(self.micro_batches):
-            item = next(data_iter)
-            batches.append(tuple(item) if isinstance(item, (tuple, list)) else (item,))
+            item = next(self.data_iterator)
+            batch = tuple(item) if isinstance(item, (tuple, list)) else (item,)
+            batches.append(upcast_low_precision(batch) if self.compute_dtype is not None else batch)
         return batches
 
     def prepare(self, example_batch: Sequence[Any]) -> None:

@@ -348,8 +348,7 @@ def _restore_counters(engine: Any, state: dict[str, Any] | FullState, load_lr_sc
         engine.loss_scaler.load_state_dict(_from_deepspeed_scaler(scaler["deepspeed"]) if "deepspeed" in scaler else scaler)
     engine.global_steps = get("global_steps", 0)
     micro = get("micro_steps")
-    gas = engine.gradient_accumulation_steps
-    engine.micro_steps = micro if micro is not None else engine.global_steps * (gas() if callable(gas) else gas)
+    engine.micro_steps = micro if micro is not None else engine.global_steps * engine.gradient_accumulation_steps()
     engine.skipped_steps = get("skipped_steps", 0) or 0
     saved = get("extensions") or {}
     for extension in getattr(engine, "extensions", []):  # the loss scaler is restored above, also from DeepSpeed's format
