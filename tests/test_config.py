@@ -86,7 +86,7 @@ def test_prescale_and_predivide_contradict():
     "config,key",
     [
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
-        ({"compression_training": {"weight_quantization": {}}}, "compression_training"),
+        ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled"),
         ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
         ({"sparse_gradients": True}, "sparse_gradients"),
     ],

@@ -37,6 +37,17 @@ def test_packages_list_matches_pyproject() -> None:
     assert sorted(declared) == sorted(PACKAGES)
 
 
+def test_every_package_folder_is_declared() -> None:
+    """A folder with an ``__init__.py`` missing from pyproject's list would be left out of a wheel."""
+    folders = {"dscompile": ROOT / "dscompile"} | {f"dscompile.{name}": ROOT / name for name in ("passes", "backends", "kernels")}
+    found = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            relative = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *relative)))
+    assert sorted(found) == sorted(PACKAGES)
+
+
 def test_runtime_closure_is_the_declared_one() -> None:
     closure = dependency_closure()
     assert {"torch", "triton", "networkx", "sympy", "numpy"} <= closure

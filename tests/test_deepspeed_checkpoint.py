@@ -312,7 +312,7 @@ def test_deepspeed_scheduler_position_carries_over(tmp_path: Path) -> None:
     write_deepspeed_layout(tmp_path / "global_step3", model, optimizer, 2, world=2, steps=3)
     engine = _engine(0, scheduler=True)
     engine.load_checkpoint(tmp_path)
-    assert engine.lr_scheduler.last_epoch == 3  # three steps taken (DeepSpeed: last_batch_iteration 2)
+    assert engine.lr_scheduler.last_batch_iteration == 2  # three steps taken, in DeepSpeed's own counting
     assert engine.get_lr() == [LR]  # the optimizer's lr as saved
 
 

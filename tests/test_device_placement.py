@@ -36,10 +36,10 @@ RNG_ALLOWED: dict[tuple[str, str], str] = {
     ("dscompile/runtime/devices.py", "capture_rng"): "the helper itself",
     ("dscompile/runtime/devices.py", "restore_rng"): "the helper itself",
     ("dscompile/runtime/devices.py", "forked_rng"): "the helper itself",
-    ("dscompile/engine.py", "save_checkpoint"): "stores the CPU state next to capture_rng(...) of the parameters' devices",
-    ("dscompile/engine.py", "load_checkpoint"): "restores the CPU state next to restore_rng(...) of the saved devices",
+    ("dscompile/runtime/data_parallel.py", "save_checkpoint"): "stores the CPU state next to capture_rng(...) of the parameters' devices",
+    ("dscompile/runtime/data_parallel.py", "load_checkpoint"): "restores the CPU state next to restore_rng(...) of the saved devices",
     ("dscompile/runtime/zero_checkpoint.py", "save"): "stores the CPU state next to capture_rng(...) of the shards' devices",
-    ("dscompile/runtime/zero_checkpoint.py", "load"): "restores the CPU state next to restore_rng(...) of the saved devices",
+    ("dscompile/runtime/zero_checkpoint.py", "_restore_rng"): "restores the CPU state next to restore_rng(...) of the saved devices",
 }
 RNG_CALLS = {"fork_rng", "set_rng_state", "get_rng_state"}
 
@@ -140,8 +140,7 @@ def test_collective_device_follows_the_backend(one_rank_gloo: object, monkeypatc
 
 def test_engine_agreement_and_zero_norm_put_buffers_where_the_backend_wants(one_rank_gloo: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's cross-rank flag and ZeRO's norm buffer ask ``collective_device``: with NCCL they would be on the GPU."""
-    from dscompile import engine
-    from dscompile.runtime import zero_shard
+    from dscompile.runtime import engine_core, zero_shard
 
     asked: list[object] = []
 
@@ -149,8 +148,8 @@ def test_engine_agreement_and_zero_norm_put_buffers_where_the_backend_wants(one_
         asked.append(like)
         return torch.device("cpu")
 
-    monkeypatch.setattr(engine, "collective_device", spy)
-    assert engine._agree_any(True) is True and engine._agree_any(False) is False
+    monkeypatch.setattr(engine_core, "collective_device", spy)
+    assert engine_core._agree_any(True) is True and engine_core._agree_any(False) is False
     monkeypatch.setattr(zero_shard, "collective_device", spy)
     model = torch.nn.Linear(4, 2)
     partition = zero_shard.ZeroPartition(model, stage=2)

@@ -40,7 +40,7 @@ def test_two_ranks_equal_single_process():
     results = run_distributed(_data_parallel_rank, 2, steps, timeout=180)
     case, batches = _batches(steps)
     model = copy.deepcopy(case.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # DeepSpeed's AdamW default
     for inputs, targets in batches:
         half = inputs.shape[0] // 2
         # Each rank's loss is a mean over its half: the averaged gradient is the mean of the halves.

@@ -162,6 +162,9 @@ def test_load_without_checkpoint_warns_and_returns_none(tmp_path):
 def test_dataloader_uses_micro_batch_size():
     data = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
     _, _, loader, _ = dscompile.initialize(model=torch.nn.Linear(3, 1), training_data=data, config={"train_micro_batch_size_per_gpu": 4})
+    assert [len(b[0]) for b in loader] == [4, 4, 2]  # DeepSpeed keeps the last partial batch
+    config = {"train_micro_batch_size_per_gpu": 4, "dataloader_drop_last": True}
+    _, _, loader, _ = dscompile.initialize(model=torch.nn.Linear(3, 1), training_data=data, config=config)
     assert [len(b[0]) for b in loader] == [4, 4]
 
 

@@ -31,9 +31,10 @@ def comm_rank(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     case = build("gpt", seed=3, **MODEL)
     numel = sum(p.numel() for p in case.model.parameters())
+    count = sum(1 for p in case.model.parameters() if p.requires_grad)
     engine, *_ = dscompile.initialize(model=case.model, config={"optimizer": SGD, "lower": "eager"})
     _train(engine, case, rank, 2)
-    out["dp"] = {"stats": engine.communication_stats(), "numel": numel}
+    out["dp"] = {"stats": engine.communication_stats(), "numel": numel, "count": count}
     for allgather in (True, False):
         case = build("gpt", seed=3, **MODEL)
         cfg = {"optimizer": SGD, "lower": "eager", "zero_optimization": {"stage": 1, "allgather_partitions": allgather}}
@@ -61,9 +62,9 @@ def test_communication_stats_and_allgather_partitions() -> None:
     results = run_distributed_or_fail(comm_rank, 2, timeout=400)
     for result in results:
         dp = result["dp"]
-        # one flat fp32 all-reduce of every gradient per optimizer step, timed
+        # one flat fp32 all-reduce of every gradient per optimizer step, timed, with one has-a-gradient flag per parameter
         assert dp["stats"]["data_parallel"]["all_reduce"]["calls"] == 2
-        assert dp["stats"]["data_parallel"]["all_reduce"]["bytes"] == 2 * 4 * dp["numel"]
+        assert dp["stats"]["data_parallel"]["all_reduce"]["bytes"] == 2 * 4 * (dp["numel"] + dp["count"])
         assert dp["stats"]["data_parallel"]["all_reduce"]["seconds"] > 0
         for allgather in (True, False):
             z1 = result[("zero1", allgather)]

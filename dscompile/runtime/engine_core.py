@@ -313,7 +313,7 @@ class EngineCore:
 
     def loss_gradient_seed(self, factor: float) -> float:
         """The gradient backward starts from for ``factor * loss`` (loss scaling applied): for pipelines."""
-        return float(self.scale_loss(torch.tensor(factor, dtype=torch.float64)))
+        return float(self.scale_loss(torch.tensor(factor, dtype=torch.float64, device="cpu")))  # a host scalar, read back at once
 
     @property
     def loss_scaler(self) -> Any:

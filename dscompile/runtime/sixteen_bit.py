@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from dscompile.runtime.devices import forked_rng
+
 log = logging.getLogger("dscompile.runtime.sixteen_bit")
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -56,7 +58,7 @@ def module_output_dtypes(module: nn.Module, low: torch.dtype, args: tuple, kwarg
     state = {name: fake(t, True) for name, t in module.named_parameters()}
     state.update({name: fake(t, True) for name, t in module.named_buffers()})
     fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: fake(t, False), (args, kwargs))
-    with torch.random.fork_rng(devices=[]), mode, torch.no_grad():
+    with forked_rng(), mode, torch.no_grad():
         out = torch.func.functional_call(module, state, fake_args, fake_kwargs)
     return [leaf.dtype if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else None for leaf in pytree.tree_leaves(out)]
 

@@ -359,8 +359,12 @@ def _restore_counters(engine: Any, state: dict[str, Any] | FullState, load_lr_sc
 def _load_deepspeed_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
     """DeepSpeed's schedules save ``last_batch_iteration`` (-1 before the first step): the steps taken, less one.
 
-    dscompile's schedules are torch LR schedulers, whose ``last_epoch`` counts the steps taken.
+    dscompile's own schedules keep DeepSpeed's state format and load it as it is; a torch LR
+    scheduler passed by the user counts the steps taken in ``last_epoch``.
     """
+    if "last_batch_iteration" in saved and hasattr(scheduler, "last_batch_iteration"):
+        scheduler.load_state_dict(saved)
+        return
     if "last_batch_iteration" not in saved or not hasattr(scheduler, "last_epoch"):
         log.warning("DeepSpeed scheduler state %s does not fit %s: the schedule restarts", sorted(saved), type(scheduler).__name__)
         return

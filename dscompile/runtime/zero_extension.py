@@ -96,7 +96,7 @@ class ZeroGradients(GradientStrategy):
         if zero.stage != 1:
             return  # ZeRO-2/3 reduce-scattered in the backward graphs
         zero.comm_dtype = engine.communication_data_type
-        itemsize = torch.empty((), dtype=engine.communication_data_type or zero.shards[0].dtype).element_size()
+        itemsize = (engine.communication_data_type or zero.shards[0].dtype).itemsize
         nbytes = sum(layout.shard_numel * zero.world for layout in zero.layouts) * itemsize
         with engine.comm_stats.timed("zero", "reduce_scatter", nbytes if zero.world > 1 else 0):
             zero.reduce_gradients()  # ZeRO-1: the only gradient communication, once per batch

@@ -271,7 +271,8 @@ class ZeroPartition:
 
     def gradient_counts(self, present: list[bool]) -> list[int]:
         """How many ranks have each parameter's gradient (an all-reduce of this rank's flags)."""
-        flags = torch.tensor(present, dtype=torch.int32)  # counts, not gradients: never in the communication dtype
+        device = collective_device(self.group, like=self.shards[0] if self.shards else None)
+        flags = torch.tensor(present, dtype=torch.int32, device=device)  # counts, not gradients: never in the communication dtype
         if self.world > 1:
             dist.all_reduce(flags, group=self.group)
         return [int(c) for c in flags.tolist()]
