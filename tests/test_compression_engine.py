@@ -300,3 +300,41 @@ def test_zero3_qat_through_initialize_on_two_ranks_matches_one_process() -> None
     for name, value in reference.module.named_parameters():
         for r in results:
             torch.testing.assert_close(r["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+class HFClassifier(nn.Module):
+    """A Hugging Face BERT classifier built from a config, returning its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=32,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        torch.manual_seed(0)
+        self.bert = transformers.BertForSequenceClassification(config)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_qat_of_a_hugging_face_bert_through_initialize() -> None:
+    pytest.importorskip("transformers")
+    section = wq_section([r"encoder\.layer\.\d+\.(intermediate|output)\.dense"], 1, 8, 6, 2)
+    engine, *_ = dscompile.initialize(model=Probed(HFClassifier(), "bert.bert.encoder.layer.0.intermediate.dense"), config=config(section, lr=1e-3))
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 3, (4,), generator=g))
+    records = train(engine, batch, 6)
+    assert [effective_bits(seen, master) for _, master, seen in records] == [None, 8, 7, 7, 6, 6]  # MoQ from step 1, period 2
+    losses = [loss for loss, _, _ in records]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
