@@ -338,3 +338,15 @@ def test_qat_of_a_hugging_face_bert_through_initialize() -> None:
     assert [effective_bits(seen, master) for _, master, seen in records] == [None, 8, 7, 7, 6, 6]  # MoQ from step 1, period 2
     losses = [loss for loss, _, _ in records]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
+
+
+def test_a_skipped_step_does_not_advance_the_schedule() -> None:
+    """DeepSpeed counts applied optimizer steps only: the hook the core calls after an fp16 overflow
+    leaves the schedule where it was."""
+    engine, *_ = dscompile.initialize(model=probed_mlp(), config=config(wq_section(["fc1"], 0, 8, 4, 1)))
+    extension, scheduler = engine.extension("compression"), get_compression_scheduler(engine.module)
+    assert scheduler.bits()["model.fc1"] == 7
+    extension.after_optimizer_step(engine, True)
+    assert (extension.applied_steps, scheduler.bits()["model.fc1"]) == (0, 7)
+    extension.after_optimizer_step(engine, False)
+    assert (extension.applied_steps, scheduler.bits()["model.fc1"]) == (1, 6)
