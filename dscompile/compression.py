@@ -9,7 +9,9 @@ A DeepSpeed compression script ports by changing its import::
 
 ``init_compression`` applies layer reduction and prepares the matched layers; the ``quantize`` and
 ``prune`` passes then compress them in every graph compiled from the model; the schedule advances
-through ``get_compression_scheduler(model).step(global_step)``. ``redundancy_clean`` returns a model
+through ``get_compression_scheduler(model).step(global_step)`` in a plain training loop, and by
+itself under ``dscompile.initialize`` (whose engine also calls ``init_compression`` when the
+script did not). ``redundancy_clean`` returns a model
 that is really smaller (packed int8/int4 weights, pruned rows, heads and channels removed). The
 work is done in ``dscompile.passes.compression``, ``layer_reduction``, ``redundancy_clean`` and
 ``dscompile.runtime.compression``.
@@ -27,10 +29,10 @@ from torch import nn
 
 from dscompile.config import DSConfig
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.passes.compression import SECTION, CompressionConfig, attach_compression, parse_compression
-from dscompile.passes.layer_reduction import reduce_layers
+from dscompile.passes.compression import SECTION, CompressionConfig, parse_compression, prepare_model
 from dscompile.passes.redundancy_clean import clean_model
 from dscompile.runtime.compression import CompressionScheduler
+from dscompile.runtime.compression.scheduler import scheduler_of
 
 __all__ = [
     "CompressionScheduler",
@@ -40,9 +42,6 @@ __all__ = [
     "init_compression",
     "redundancy_clean",
 ]
-
-_SCHEDULER = "ds_compression_scheduler"
-
 
 def _section(deepspeed_config: Any) -> CompressionConfig:
     """The ``compression_training`` section of a ds_config given as a path, a dict or a DSConfig."""
@@ -83,21 +82,14 @@ def init_compression(model: nn.Module, deepspeed_config: Any, teacher_model: nn.
     without that section, the prepared model computes in full precision.
     """
     _no_mpu(mpu)
-    section = _section(deepspeed_config)
-    target = _unwrap(model)
-    if section.layer_reduction.enabled:
-        reduce_layers(target, None if teacher_model is None else _unwrap(teacher_model), section.layer_reduction)
-    attach_compression(target, section)
-    scheduler = CompressionScheduler(target)
-    scheduler.step(0)
-    object.__setattr__(target, _SCHEDULER, scheduler)
+    prepare_model(_unwrap(model), _section(deepspeed_config), None if teacher_model is None else _unwrap(teacher_model))
     return model
 
 
 def get_compression_scheduler(model: nn.Module) -> CompressionScheduler:
     """The schedule ``init_compression`` created for ``model``: call ``.step(global_step)`` before each
     step's forward and ``.after_backward()`` once gradients are ready (snip_momentum)."""
-    scheduler = vars(_unwrap(model)).get(_SCHEDULER)
+    scheduler = scheduler_of(_unwrap(model))
     if scheduler is None:
         raise DSCompileConfigError(SECTION, "this model was not prepared for compression", "call init_compression(model, config) first")
     return scheduler
@@ -109,7 +101,7 @@ class compression_scheduler:  # noqa: N801 - DeepSpeed's class name
 
     def __init__(self, model: nn.Module, compression_config: Any = None) -> None:
         target = _unwrap(model)
-        self.scheduler = vars(target).get(_SCHEDULER) or CompressionScheduler(target)
+        self.scheduler = scheduler_of(target) or CompressionScheduler(target)
         self.training_steps = 0
 
     def step(self, step_zero_check: bool = False) -> None:
@@ -126,7 +118,7 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
     _no_mpu(mpu)
     section = _section(deepspeed_config)
     target = _unwrap(model)
-    if section.enabled_techniques() and _SCHEDULER not in vars(target):
+    if section.enabled_techniques() and scheduler_of(target) is None:
         raise DSCompileConfigError(
             SECTION, "redundancy_clean needs the model init_compression prepared", "call init_compression(model, config) before training"
         )

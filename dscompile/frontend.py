@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dscompile.config import DSConfig, load_config
-from dscompile.graph import lifted_tensors
+from dscompile.graph import runtime_inputs, unlift_runtime_inputs
 from dscompile.pipeline import PassContext, PassInvocation, PassManager, pipeline_from_config, pipeline_lowering
 from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
@@ -99,17 +99,16 @@ class GraphCompiler:
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.param_names = _parameter_names(gm, example_inputs)
         _annotate_parameters(gm, self.param_names)
-        lifted_before = len(lifted_tensors(gm))
         _progress(self.graph_name, "passes on the Dynamo graph")
         gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
-        self.param_names = _shift_for_lifted(gm, lifted_before, self.param_names)
+        inputs, resolvers = _with_runtime_inputs(gm, example_inputs, self.param_names)
         from torch._functorch.aot_autograd import aot_module_simplified
 
         _progress(self.graph_name, "AOTAutograd: tracing forward and backward")
 
         compiled = aot_module_simplified(
             gm,
-            example_inputs,
+            inputs,
             fw_compiler=functools.partial(self._compile_graph, "forward", False),
             bw_compiler=functools.partial(self._compile_graph, "backward", False),
             inference_compiler=functools.partial(self._compile_graph, "forward", True),
@@ -117,7 +116,10 @@ class GraphCompiler:
             decompositions=self.decompositions,
             keep_inference_input_mutations=True,
         )
-        return compiled
+        if not resolvers:
+            return compiled
+        unlift_runtime_inputs(gm)  # Dynamo passes its graph's placeholders: give it back its own
+        return _feeding(compiled, resolvers)
 
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], *, num_fwd_outputs: int, **kwargs: Any) -> Any:
         from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -189,22 +191,27 @@ def _parameter_names(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
     return names
 
 
-def _shift_for_lifted(gm: torch.fx.GraphModule, lifted_before: int, param_names: dict[int, str]) -> dict[int, str]:
-    """Parameter positions in AOTAutograd's graphs once passes lifted state onto ``gm`` (``lift_tensor``).
+def _with_runtime_inputs(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], param_names: dict[int, str]
+) -> tuple[list[Any], list[Callable[[Sequence[Any]], torch.Tensor]]]:
+    """The inputs AOTAutograd compiles for once passes lifted state (``lift_tensor``), and the resolvers
+    that fetch that state from each call's own inputs; lifted parameters (learned mask scores) are
+    named as parameters."""
+    lifted = runtime_inputs(gm)
+    for k, (node, tensor, _) in enumerate(lifted):
+        if isinstance(tensor, torch.nn.Parameter):
+            param_names[len(example_inputs) + k] = node.name
+    return [*example_inputs, *(tensor for _, tensor, _ in lifted)], [resolve for _, _, resolve in lifted]
 
-    AOTAutograd puts ``gm``'s own parameters and buffers before the Dynamo inputs; the lifted
-    parameters (learned mask scores) are named as parameters too.
-    """
-    lifted = lifted_tensors(gm)
-    if len(lifted) == lifted_before:
-        return param_names
-    if lifted_before:
-        from dscompile.errors import DSCompilePassError
 
-        raise DSCompilePassError("a pass lifted state onto a graph that already holds its parameters as attributes (the pipeline engine's); not supported")
-    shifted = {index + len(lifted): name for index, name in param_names.items()}
-    shifted.update({index: name for index, (name, value) in enumerate(lifted) if isinstance(value, torch.nn.Parameter)})
-    return shifted
+def _feeding(compiled: Callable[..., Any], resolvers: list[Callable[[Sequence[Any]], torch.Tensor]]) -> Callable[..., Any]:
+    """``compiled`` called with the lifted state of this call's inputs appended."""
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        return compiled(*args, *(resolve(args) for resolve in resolvers))
+
+    return run
 
 
 def _annotate_parameters(gm: torch.fx.GraphModule, param_names: dict[int, str]) -> None:

@@ -7,7 +7,7 @@ PyTorch's own metadata (``meta["val"]``, ``meta["recompute"]``).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -200,51 +200,69 @@ def set_fake_value(node: torch.fx.Node, fake_mode: Any | None = None) -> Any:
     return value
 
 
-def lift_tensor(gm: torch.fx.GraphModule, name: str, tensor: torch.Tensor) -> torch.fx.Node:
-    """A ``get_attr`` node reading ``tensor``, which becomes an input of the compiled graph.
+def lift_tensor(gm: torch.fx.GraphModule, name: str, tensor: torch.Tensor, resolve: Callable[[Sequence[Any]], torch.Tensor]) -> torch.fx.Node:
+    """A placeholder after the Dynamo inputs reading ``tensor``, which becomes an input of the compiled graph.
 
     For state a pass adds that the model's forward never reads: a pruning mask, a learned mask
     score (an ``nn.Parameter``: AOTAutograd computes its gradient), a bit width the scheduler
-    changes between steps. The tensor is registered on ``gm`` (a parameter or a buffer), so
-    AOTAutograd lifts it as a leading input and the compiled code reads the live tensor on every
-    call: in-place updates between calls are seen without recompiling. The frontend shifts its
-    parameter positions by the number of lifted tensors. Call on the Dynamo graph (``pre_autograd``).
+    changes between steps. The frontend feeds it on every call as ``resolve(inputs)``, found from
+    that call's own Dynamo inputs (e.g. the state a weight parameter points at), never the tensor
+    seen at compile time: Dynamo reuses a graph for every instance of a model class (parameters are
+    inputs, not guarded by identity), so each instance must bring its own state. In-place updates
+    between calls are seen without recompiling. ``tensor`` is the example value. Call on the Dynamo
+    graph (``pre_autograd``); ``runtime_inputs`` lists what was lifted, and once AOTAutograd has
+    traced the graph ``unlift_runtime_inputs`` gives Dynamo its own placeholders back.
     """
-    from torch._dynamo.source import ConstantSource
-
-    for existing, value in lifted_tensors(gm):
+    for node, value, _ in runtime_inputs(gm):
         if value is tensor:  # lifted once per graph: two inputs aliasing one tensor would need guards
-            found = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == existing]
-            if found:
-                return found[0]
+            return node
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    taken = {n.name for n in gm.graph.nodes}
     target = name
     suffix = 0
-    while hasattr(gm, target):
+    while target in taken:
         suffix += 1
         target = f"{name}_{suffix}"
-    if isinstance(tensor, torch.nn.Parameter):
-        gm.register_parameter(target, tensor)
+    if placeholders:
+        with gm.graph.inserting_after(placeholders[-1]):
+            node = gm.graph.placeholder(target)
     else:
-        gm.register_buffer(target, tensor)
-    sources = getattr(gm, "_param_name_to_source", None)
-    if sources is not None:
-        # AOTAutograd asks Dynamo's graph where each lifted tensor came from (to guard aliased
-        # inputs); these tensors alias nothing Dynamo saw, so a name is all it needs.
-        sources[target] = ConstantSource(f"__dscompile_lifted_{target}")
-    first = next(iter(gm.graph.nodes))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    anchor = placeholders[-1] if placeholders else None
-    with gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before(first):
-        node = gm.graph.get_attr(target)
+        with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+            node = gm.graph.placeholder(target)
     fake_mode = fake_mode_of(gm)
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
     else:
         node.meta["val"] = tensor
+    node.meta["example_value"] = node.meta["val"]
+    node._dynamo_source = None  # type: ignore[attr-defined]  # AOTAutograd asks; nothing in the user's code holds it
+    ds_meta(node)["runtime_input"] = (tensor, resolve)
     return node
 
 
-def lifted_tensors(gm: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """What AOTAutograd lifts from ``gm`` as leading inputs, in its order (parameters, then buffers)."""
-    return [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+def runtime_inputs(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.Tensor, Callable[[Sequence[Any]], torch.Tensor]]]:
+    """The placeholders ``lift_tensor`` added, in graph order, with their example value and resolver."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and "runtime_input" in node.meta.get(META_NAMESPACE, {}):
+            tensor, resolve = ds_meta(node)["runtime_input"]
+            out.append((node, tensor, resolve))
+    return out
+
+
+def unlift_runtime_inputs(gm: torch.fx.GraphModule) -> None:
+    """Turn the placeholders ``lift_tensor`` added back into attribute reads of their example values.
+
+    The passes edit Dynamo's own graph, and after the backend returns Dynamo reads that graph's
+    placeholders as the inputs it must pass: so once AOTAutograd has traced the graph (the
+    compiled code no longer reads ``gm``), the lifted inputs leave the placeholder list.
+    """
+    for node, tensor, _ in runtime_inputs(gm):
+        gm.register_buffer(node.name, tensor, persistent=False)
+        with gm.graph.inserting_before(node):
+            read = gm.graph.get_attr(node.name)
+        read.meta.update({k: v for k, v in node.meta.items() if k != META_NAMESPACE})
+        node.replace_all_uses_with(read)
+        gm.graph.erase_node(node)
+    gm.recompile()

@@ -50,9 +50,11 @@ import torch
 from torch import nn
 
 from dscompile.config import parse_dataclass, register_section
-from dscompile.errors import DSCompileConfigError, suggest
+from dscompile.errors import DSCompileConfigError, DSCompileError, suggest
 from dscompile.pipeline import PassInvocation, invocation, register_config_rule
-from dscompile.runtime.compression.state import ActQuantSpec, CompressionState, MaskSpec, WeightQuantSpec, state_of
+from dscompile.runtime.compression.scheduler import CompressionScheduler, attach_scheduler
+from dscompile.runtime.compression.state import PREPARED, ActQuantSpec, CompressionState, MaskSpec, WeightQuantSpec, state_of
+from dscompile.runtime.engine_core import register_engine_extension
 
 log = logging.getLogger("dscompile.passes.compression")
 
@@ -422,6 +424,18 @@ def _compression_rule(config: Any) -> list[PassInvocation]:
     return items
 
 
+@register_engine_extension(5, "compression")
+def _compression_engine_extension(config: Any) -> Any:
+    """Every engine runs the schedule with its optimizer steps (``runtime/compression/extension.py``),
+    before ZeRO (10) partitions the model it prepares."""
+    from dscompile.runtime.compression.extension import CompressionExtension
+
+    section = compression_of(config)
+    if section is None or not section.any_enabled:
+        return None
+    return CompressionExtension(lambda model: prepare_model(model, section))
+
+
 # ---------------------------------------------------------------------------------------------
 # module matching
 # ---------------------------------------------------------------------------------------------
@@ -639,6 +653,18 @@ def attach_compression(model: nn.Module, section: CompressionConfig) -> list[Com
     return states
 
 
+def prepare_model(model: nn.Module, section: CompressionConfig, teacher: nn.Module | None = None) -> CompressionScheduler:
+    """``init_compression``'s work, shared with the engine: layer reduction (the chosen teacher layers'
+    weights copied in; without ``teacher`` the model's own), every matched layer's state, and the
+    model's scheduler set for step 0."""
+    if section.layer_reduction.enabled:
+        from dscompile.passes.layer_reduction import reduce_layers  # a sibling that imports this module
+
+        reduce_layers(model, teacher, section.layer_reduction)
+    attach_compression(model, section)
+    return attach_scheduler(model)
+
+
 def detach_compression(model: nn.Module) -> None:
     """Remove every ``CompressionState`` (after ``redundancy_clean`` baked them into the layers)."""
     for module in list(model.modules()):
@@ -749,15 +775,28 @@ def replace_weight(site: Site, new: torch.fx.Node) -> None:
     old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
 
 
-def lift(gm: torch.fx.GraphModule, state: CompressionState, attribute: str) -> torch.fx.Node:
-    """The graph input reading one tensor of a layer's state (see ``dscompile.graph.lift_tensor``)."""
+def lift(gm: torch.fx.GraphModule, site: Site, attribute: str) -> torch.fx.Node:
+    """The graph input reading one tensor of a layer's state (see ``dscompile.graph.lift_tensor``):
+    on every call it is read from the state of that call's own weight parameter."""
     from dscompile.graph import lift_tensor
 
+    state = site.state
+    index = [n for n in gm.graph.nodes if n.op == "placeholder"].index(site.param)
     tag = re.sub(r"\W", "_", state.layer_name)
-    return lift_tensor(gm, f"ds_compression_{tag}_{attribute}", getattr(state, attribute))
+    return lift_tensor(gm, f"ds_compression_{tag}_{attribute}", getattr(state, attribute), _state_reader(index, state.layer_name, attribute))
 
 
-PREPARED = "ds_compression_prepared"
+def _state_reader(index: int, layer: str, attribute: str) -> Any:
+    def resolve(inputs: Any) -> torch.Tensor:
+        state = state_of(inputs[index])
+        if state is None or not hasattr(state, attribute):
+            raise DSCompileError(
+                f"compression: this graph was compiled for a model whose layer {layer!r} carries {attribute!r}, but the model it now "
+                "runs (same class) was not prepared the same way; call dscompile.compression.init_compression(model, config) on it"
+            )
+        return getattr(state, attribute)
+
+    return resolve
 
 
 def mark_prepared(model: nn.Module) -> None:

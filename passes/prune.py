@@ -39,9 +39,9 @@ def _mask_node(gm: torch.fx.GraphModule, site: Site, technique: str) -> torch.fx
     state = site.state
     spec = state.masks[technique]
     if spec.method == "topk":
-        scores = lift(gm, state, f"{technique}_scores")
+        scores = lift(gm, site, f"{technique}_scores")
         return insert_after(gm, scores, learned_mask, (scores, spec.dense_ratio), {}, state.layer_name, "mask", f"{technique}_pruning")
-    return lift(gm, state, f"{technique}_mask")
+    return lift(gm, site, f"{technique}_mask")
 
 
 def _position(gm: torch.fx.GraphModule):
@@ -57,7 +57,7 @@ def prune_site(gm: torch.fx.GraphModule, site: Site) -> int:
         if spec is None:
             continue
         mask = _mask_node(gm, site, technique)
-        on = lift(gm, state, f"{technique}_on")
+        on = lift(gm, site, f"{technique}_on")
         head = site.head()
         kwargs = {"num_heads": spec.num_heads} if technique == "head" else {}
         anchor = max((head, mask, on), key=_position(gm))

@@ -39,7 +39,7 @@ def quantize_weight_node(gm: torch.fx.GraphModule, site: Site) -> torch.fx.Node:
     spec = state.weight_quant
     reach = spec.reachable_bits()
     head = site.head()
-    bits, on, ratio = lift(gm, state, "wq_bits"), lift(gm, state, "wq_on"), lift(gm, state, "wq_ratio")
+    bits, on, ratio = lift(gm, site, "wq_bits"), lift(gm, site, "wq_on"), lift(gm, site, "wq_ratio")
     kwargs = dict(
         num_groups=spec.num_groups,
         symmetric=spec.symmetric,
@@ -70,9 +70,9 @@ def quantize_inputs(gm: torch.fx.GraphModule, site: Site, training: bool) -> int
             log.info("%s: activation quantization skips %s, which is not a Linear/Conv2d reading the weight", state.layer_name, user.format_node())
             continue
         x = user.args[0]
-        on = lift(gm, state, "aq_on")
+        on = lift(gm, site, "aq_on")
         if spec.static:
-            value_range = lift(gm, state, "aq_range")
+            value_range = lift(gm, site, "aq_range")
             if training:
                 fn, args, kwargs = calibrate_and_quantize, (x, value_range, on), dict(bits=spec.bits, symmetric=spec.symmetric, momentum=spec.momentum)
             else:

@@ -39,6 +39,7 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.kernels.quantize import PackedWeight, dequantize, mask_packed, quantize_weight, select_columns, select_rows
 from dscompile.passes.compression import SECTION, detach_compression
 from dscompile.runtime.compression.quantized import QuantizedConv2d, QuantizedEmbedding, QuantizedLinear, QuantizedTiedLinear
+from dscompile.runtime.compression.scheduler import SCHEDULER_ATTRIBUTE
 from dscompile.runtime.compression.state import ActQuantSpec, CompressionState
 from dscompile.runtime.compression.state import log as state_log
 
@@ -301,9 +302,8 @@ def clean_model(model: nn.Module) -> dict[str, Any]:
             _set(model, name, new)
             report["layers"][name] = _describe(layer, new)
     detach_compression(model)
-    scheduler_attr = "ds_compression_scheduler"
-    if scheduler_attr in vars(model):
-        delattr(model, scheduler_attr)
+    if SCHEDULER_ATTRIBUTE in vars(model):
+        delattr(model, SCHEDULER_ATTRIBUTE)
     state_log.debug("redundancy_clean: %s", report)
     return report
 

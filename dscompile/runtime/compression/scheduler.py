@@ -1,7 +1,7 @@
 """The compression schedule, advanced by the global step and independent of any engine.
 
 DeepSpeed's engine owns a ``compression_scheduler`` and calls it around every optimizer step; here
-the schedule is a small object any training loop (and, once wired, the engine core) drives:
+the schedule is a small object any training loop (or the engine core) drives:
 
     scheduler = CompressionScheduler(model)       # after init_compression(model, config)
     for step in range(steps):
@@ -16,22 +16,10 @@ ratio), and takes the l1 / snip_momentum mask decisions from the current weights
 tensors the compiled graphs read, so no step recompiles. Skipped steps (fp16 overflow) are not
 counted, as in DeepSpeed: pass the number of applied optimizer steps.
 
-What the engine core has to do once it hosts this (not wired yet):
-- at init, when ``compression_training`` enables a technique: require a model ``init_compression``
-  prepared (``dscompile.compression.get_compression_scheduler(model)`` raises otherwise), or call
-  ``init_compression(model, config)`` itself before it builds the optimizer (learned mask scores
-  are parameters);
-- before each forward: ``scheduler.step(engine.global_steps)`` (idempotent within a step, so
-  calling it per micro-batch is fine);
-- at the accumulation boundary, after backward and before ``optimizer.step()``:
-  ``scheduler.after_backward()`` (snip_momentum; with ZeRO-2/3 on the full gradients);
-- checkpoints: ``scheduler.state_dict()`` / ``load_state_dict()`` beside the model's (the layers'
-  masks, bits and scores are in the model's ``state_dict``);
-- ZeRO-2/3: give every shard parameter its full parameter's ``ds_compression`` and
-  ``ds_compression_prepared`` attributes (the passes find the state from the graph's parameter
-  inputs), compute l1 masks from gathered weights (``set_step`` reads ``module.weight``), and keep
-  the ``ds_compression`` submodules' learned scores unsharded (the passes read the module's own
-  ``nn.Parameter``).
+``dscompile.initialize`` drives it for the user: the engine core's ``compression`` extension
+(``runtime/compression/extension.py``) calls ``step`` after every applied optimizer step and keeps
+the count in checkpoints. The model carries its scheduler (``attach_scheduler`` /
+``scheduler_of``), so ``init_compression``, the engine and ``redundancy_clean`` share one.
 """
 
 from __future__ import annotations
@@ -41,6 +29,8 @@ from typing import Any
 from torch import nn
 
 from dscompile.runtime.compression.state import CompressionState
+
+SCHEDULER_ATTRIBUTE = "ds_compression_scheduler"
 
 
 class CompressionScheduler:
@@ -113,3 +103,17 @@ class CompressionScheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the step counter; the next ``step()`` call sets the layers for the next forward."""
         self.global_step = int(state["global_step"])
+
+
+def attach_scheduler(model: nn.Module) -> CompressionScheduler:
+    """Give a prepared model its scheduler, set for step 0 (kept outside ``_modules``: not a layer)."""
+    scheduler = CompressionScheduler(model)
+    scheduler.step(0)
+    object.__setattr__(model, SCHEDULER_ATTRIBUTE, scheduler)
+    return scheduler
+
+
+def scheduler_of(model: nn.Module) -> CompressionScheduler | None:
+    """The scheduler ``attach_scheduler`` gave ``model``, or None when it was never prepared."""
+    scheduler = vars(model).get(SCHEDULER_ATTRIBUTE)
+    return scheduler if isinstance(scheduler, CompressionScheduler) else None

@@ -27,6 +27,8 @@ log = logging.getLogger("dscompile.compression")
 
 MASK_TECHNIQUES = ("sparse", "row", "head", "channel")
 SNIP_MOMENTUM = 0.9
+PREPARED = "ds_compression_prepared"
+"""The mark every parameter of a prepared model carries (catches a config whose model was never prepared)."""
 
 
 @dataclass(frozen=True)
