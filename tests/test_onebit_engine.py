@@ -264,7 +264,10 @@ def _convergence_rank(rank: int, world: int, steps: int) -> dict:
     out = {}
     runs = {
         "adamw": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}},
-        "onebitadam_zero1": {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "weight_decay": 0.01, "freeze_step": 20}}, "zero_optimization": {"stage": 1}},
+        "onebitadam_zero1": {
+            "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "weight_decay": 0.01, "freeze_step": 20}},
+            "zero_optimization": {"stage": 1},
+        },
     }
     for name, cfg in runs.items():
         torch.manual_seed(0)

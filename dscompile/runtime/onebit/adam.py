@@ -81,7 +81,9 @@ class OneBitAdam(CompressedCommOptimizer):
         if any(group.get("exp_avg_mask") is not None for group in self.param_groups):
             from dscompile.errors import DSCompileConfigError
 
-            raise DSCompileConfigError("optimizer.exp_avg_mask", "is shaped like whole parameters, but ZeRO steps flat shards", "drop the mask or use ZeRO stage 0")
+            raise DSCompileConfigError(
+                "optimizer.exp_avg_mask", "is shaped like whole parameters, but ZeRO steps flat shards", "drop the mask or use ZeRO stage 0"
+            )
         return OneBitAdam(
             param_groups,
             freeze_step=self.freeze_step,

@@ -166,8 +166,7 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
 
         raise DSCompileConfigError(
             "zero_optimization.stage",
-            f"{type(self).__name__} cannot step ZeRO shards: its update is not element-wise (it needs whole parameters "
-            "or every rank's full momentum)",
+            f"{type(self).__name__} cannot step ZeRO shards: its update is not element-wise (it needs whole parameters or every rank's full momentum)",
             "use OneBitAdam with ZeRO stage 1, or train this optimizer without ZeRO (stage 0)",
         )
 

@@ -57,7 +57,12 @@ from dscompile.runtime.zero_shard import ZeroPartition
 
 log = logging.getLogger("dscompile.runtime.onebit")
 
-_SENT_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w, "all_gather": lambda w: (w - 1) / w, "all_to_all": lambda w: (w - 1) / w}
+_SENT_FACTOR = {
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "all_gather": lambda w: (w - 1) / w,  # of the gathered output, the engine's message size
+    "all_to_all": lambda w: (w - 1) / w,
+}
 
 
 def bytes_sent(stats: EngineCommStats, world: int) -> int:
@@ -156,10 +161,11 @@ class OneBitZeroGradients(ZeroGradients):
                 return
         errors: list[torch.Tensor | None] = exchange.setdefault("worker_errors", [None] * len(self.buckets))
         for b, bucket in enumerate(self.buckets):
-            rows = torch.cat(
-                [F.pad(grads[i].reshape(-1).float(), (0, zero.layouts[i].shard_numel * zero.world - zero.layouts[i].numel)).view(zero.world, -1) for i in bucket],
-                dim=1,
-            )
+            pieces = []
+            for i in bucket:
+                layout = zero.layouts[i]
+                pieces.append(F.pad(grads[i].reshape(-1).float(), (0, layout.shard_numel * zero.world - layout.numel)).view(zero.world, -1))
+            rows = torch.cat(pieces, dim=1)  # row r: rank r's ZeRO shard of every parameter in the bucket
             if scale != 1.0:
                 rows.div_(scale)  # errors live unscaled, so a change of the loss scale does not corrupt them
             if errors[b] is None:
