@@ -233,7 +233,11 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         share = state_dict.pop("onebit", None)
         if share is None:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no 'onebit' share; it was not saved by a {type(self).__name__}")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state has no 'onebit' share: it was not saved by a {type(self).__name__}, "
+                "or a checkpoint is being re-laid out (another world size or ZeRO stage), which the per-rank compression errors "
+                "cannot follow; load it with load_optimizer_states=False (the weights and counters still load)"
+            )
         layout = [(list(numels), world, block) for numels, world, block in share["layout"]]
         mine = [(b.numels, b.layout.world, b.layout.block) for b in self.buckets]
         if layout != mine:
