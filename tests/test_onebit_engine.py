@@ -350,8 +350,9 @@ def test_no_warning_and_single_process_engine_steps(caplog):
     model = build_model(WORK)
     reference = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING):
-        engine, *_ = dscompile.initialize(model=model, config={**_config("OneBitAdam"), "lower": "eager"})
+        engine, *_ = dscompile.initialize(model=model, config={**_config("OneBitAdam"), "lower": "eager", "steps_per_print": 2})
     assert not [r for r in caplog.records if "OneBitAdam" in r.getMessage()]
+    caplog.set_level(logging.INFO, logger="dscompile.runtime.onebit")
     assert type(engine.gradients).__name__ == "OneBitGradients"
     opt = OPTIMIZERS["onebitadam"](reference.parameters(), **ARGS["OneBitAdam"])
     for step in range(1, 6):
@@ -363,3 +364,5 @@ def test_no_warning_and_single_process_engine_steps(caplog):
         opt.zero_grad()
     assert torch.equal(_params(model), _params(reference))
     assert engine.communication_stats()["extensions"]["onebit"]["bytes_sent_last_step"] == 0
+    progress = [r.getMessage() for r in caplog.records if "bytes sent this step" in r.getMessage()]
+    assert len(progress) == 2 and progress[0].startswith("step 2 (OneBitAdam full_precision)") and "(OneBitAdam compressed)" in progress[1]
