@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from dscompile.engine import initialize
 from dscompile.runtime.onebit import OPTIMIZERS, Collectives, CommStats
+from dscompile.runtime.onebit.engine import bytes_sent
 
 VOCAB = 64
 SUCCESSORS = 4
@@ -191,9 +193,6 @@ def train_rank_engine(rank: int, world: int, work: Workload) -> dict[str, Any]:
     """``train_rank`` through ``dscompile.initialize``: the engine compiles the model and does the gradient
     communication (bytes per step: what this rank sent, from ``engine.comm_stats``). With
     ``bandwidth_bytes_per_s`` every step then sleeps ``bytes sent / bandwidth`` (counted in its time)."""
-    from dscompile.engine import initialize
-    from dscompile.runtime.onebit.engine import bytes_sent
-
     torch.manual_seed(work.seed)
     model = build_model(work)
     params = dict(work.optimizer_args)
