@@ -209,6 +209,26 @@ def _train(engine, rank: int, first: int, last: int) -> list[float]:
     return losses
 
 
+def _exact_frozen_variance_adam(rank: int, world: int, config, steps: int) -> list[float]:
+    """What both 1-bit runs approximate: Adam whose variance freezes at the same step, on gradients averaged in
+    fp32 every step (no compression): OneBitAdam with a local (world-of-one) communicator after an fp32 all-reduce."""
+    torch.manual_seed(0)
+    model = build_model(WORK)
+    compiled = torch.compile(model, backend="dscompile", options=config)
+    opt = OPTIMIZERS["onebitadam"](model.parameters(), **ARGS["OneBitAdam"], local=True)
+    losses = []
+    for step in range(1, steps + 1):
+        loss = compiled(*_batch(step, rank))
+        loss.backward()
+        for p in model.parameters():
+            torch.distributed.all_reduce(p.grad)
+            p.grad.div_(world)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _zero_and_resume_rank(rank: int, world: int, directory: str) -> dict:
     out = {}
     for stage in (0, 1):
@@ -229,22 +249,30 @@ def _zero_and_resume_rank(rank: int, world: int, directory: str) -> dict:
             "zero": type(engine.gradients).__name__,
             "stats": engine.communication_stats(),
         }
+    out["exact"] = _exact_frozen_variance_adam(rank, world, engine.config, STEPS + 3)
     return out
+
+
+def _deviation(losses: list[float], exact: list[float]) -> float:
+    """Largest relative loss difference after the freeze (from the first loss a 1-bit update changed)."""
+    return max(abs(a - b) / b for a, b in zip(losses[4:], exact[4:]))
 
 
 @pytest.mark.slow
 def test_zero1_composes_and_resume_is_bit_exact(tmp_path):
     ranks = run_distributed_or_fail(_zero_and_resume_rank, 2, str(tmp_path), timeout=900)
     for rank in ranks:
-        plain, zero1 = rank[0], rank[1]
+        plain, zero1, exact = rank[0], rank[1], rank["exact"]
         assert zero1["zero"] == "OneBitZeroGradients"
         assert zero1["losses"][:4] == plain["losses"][:4]  # the warm-up (and the loss before the first 1-bit update) is the same Adam
+        assert exact[:4] == pytest.approx(plain["losses"][:4], rel=1e-6)
         # After the freeze ZeRO-1 compresses each rank's gradient once (one error feedback, no server error) where plain
-        # 1-bit Adam compresses the momentum twice: two error-feedback sequences of the same kind, not the same bits, so
-        # the trajectories separate by compression noise. At lr 3e-3 a step moves this loss by ~1-2%, so 8 compressed
-        # steps apart by up to ~3% (the issue's convergence tolerance) is the bound; the 200-step test checks the end.
-        for a, b in zip(zero1["losses"][4:], plain["losses"][4:]):
-            assert abs(a - b) <= 0.03 * abs(b), (zero1["losses"], plain["losses"])
+        # 1-bit Adam compresses the momentum twice: not the same bits, so the tolerance is relative to what compression
+        # costs anyway. Both approximate exact Adam with the variance frozen at the same step; ZeRO-1's deviation from it
+        # must stay within 1.5x plain 1-bit Adam's own (measured: ZeRO-1 up to ~1.4%, plain up to ~2.7% over 8 steps).
+        plain_dev, zero1_dev = (_deviation(run["losses"], exact) for run in (plain, zero1))
+        assert plain_dev > 0  # compression does change the trajectory: the bound below is not vacuous
+        assert zero1_dev <= max(1.5 * plain_dev, 0.005), (zero1["losses"], plain["losses"], exact)
         for stage in (0, 1):
             run = rank[stage]
             assert run["resumed"] == run["losses"][6:], f"stage {stage}: resume is not bit-exact"
