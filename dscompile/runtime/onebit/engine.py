@@ -20,10 +20,12 @@ them) installs a gradient strategy at construction:
 
 Clipping (``gradient_clipping``) acts on the gradients the optimizer is about to use, as DeepSpeed
 0.19.5's engine did with these optimizers (it switched its backward all-reduce off after the freeze
-and clipped what was left, with norms reduced over the model-parallel group only): in warm-up steps
-the averaged gradient by its norm (equal on every rank); after the freeze each rank's own gradient
-by its own norm (``get_global_grad_norm()`` then reports this rank's). Under ZeRO-1 the gradient
-used is the 1-bit averaged one, clipped by its global norm (summed over the shards). fp16 overflow
+and clipped what was left with its ``clip_grad_norm_``, which averages the ranks' norms over the
+data-parallel group): in warm-up steps the averaged gradient by its norm (equal on every rank);
+after the freeze each rank's own gradient, scaled by ``max_norm / (mean of the ranks' local norms)``
+(the same factor on every rank; ``get_global_grad_norm()`` reports that mean). DeepSpeed's fp16
+optimizer used each rank's own norm instead; here every precision clips alike. Under ZeRO-1 the
+gradient used is the 1-bit averaged one, clipped by its global norm (summed over the shards). fp16 overflow
 is agreed across ranks by the engine core, so every rank skips the same steps; a skipped step leaves
 the compression errors untouched (they are kept unscaled by the loss scale).
 
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -48,6 +51,7 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter
 from dscompile.runtime.comm_stats import CommStats as EngineCommStats
 from dscompile.runtime.data_parallel import DataParallelGradients
+from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, EngineExtension, _agree_any
 from dscompile.runtime.onebit.base import CompressedCommOptimizer
 from dscompile.runtime.onebit.comm import Collectives, CommStats, compressed_reduce_scatter, reduce_scatter_chunk, wire_bytes
@@ -95,7 +99,22 @@ class OneBitGradients(DataParallelGradients):
             super().reduce(engine)
         # otherwise every rank keeps its own gradients: the optimizer's step exchanges them 1-bit (or, 0/1 Adam's local steps, not at all)
 
-    # clip: inherited. Averaged gradients are equal on every rank; local ones are clipped by their own norm (DeepSpeed's behaviour).
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        """Averaged gradients: by their norm (the same on every rank). Each rank's own gradients (after the freeze):
+        every rank scales its own by ``max_norm / (mean of the ranks' norms + 1e-6)`` (at most 1), as DeepSpeed 0.19.5's
+        ``clip_grad_norm_`` does; one scalar all-reduce."""
+        if self.world_size == 1 or engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
+            return super().clip(engine, params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else params[0].device
+        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros((), device=device)
+        mean = (local.float() / self.world_size).reshape(1).to(collective_device(like=local))
+        with engine.comm_stats.timed("onebit", "clip_norm.all_reduce", 4):
+            dist.all_reduce(mean)
+        coefficient = torch.clamp(max_norm / (mean.to(device) + 1e-6), max=1.0).reshape(())
+        if grads:
+            torch._foreach_mul_(grads, coefficient)
+        return float(mean)
 
     def save_checkpoint(self, engine: EngineCore, ckpt: CheckpointWriter, client_state: dict | None) -> None:
         """Rank 0's model states as without 1-bit, plus every rank's own compression errors and counters."""
