@@ -2,8 +2,11 @@
 
 Gloo ranks on this machine (default 2 and 4) train the same small GPT on a learnable bigram language
 (``dscompile.testing.onebit``) for ``--steps`` steps, every optimizer with the same learning-rate
-schedule (linear warm-up over the first 10%, then linear decay to 10%), in a plain loop where the
-1-bit optimizers do all the communication themselves:
+schedule (linear warm-up over the first 10%, then linear decay to 10%). ``--path engine`` (the default,
+the user's path) trains through ``dscompile.initialize``: the engine compiles the model and hands its
+gradient communication to the 1-bit optimizers, and two more rows run ZeRO-1 (``adamw_zero1``,
+``onebitadam_zero1``: the 1-bit reduce-scatter, the fp32 parameter all-gather kept). ``--path loop`` is
+a plain eager loop where the 1-bit optimizers do all the communication themselves:
 
 - ``adamw``: torch's AdamW after one fp32 all-reduce of the gradients per step (the baseline);
 - ``onebitadam``: ``freeze_step`` = 15% of the run (the lower end of the 15-25% DeepSpeed's tutorial
@@ -17,12 +20,12 @@ schedule (linear warm-up over the first 10%, then linear decay to 10%), in a pla
 Bytes are those each rank sends, counted from the collectives issued (ring all-reduce
 ``2 (w-1)/w x bytes``, all-to-all ``(w-1)/w``, all-gather ``(w-1) x`` its input). Loopback gloo is not a
 slow network, so every optimizer runs a second time with ``--bandwidth`` emulated: each collective
-first sleeps ``bytes sent / bandwidth``. Step times on a shared CPU are noisy. Prints a table per world
+(``--path engine``: each step) first sleeps ``bytes sent / bandwidth``. Step times on a shared CPU are noisy. Prints a table per world
 size with ratios to the baseline and the targets (>= 5x fewer bytes for 1-bit Adam, >= 26x for 0/1
 Adam, final loss within 3% of the uncompressed optimizer), and writes ``onebit.png`` (loss curves)
 and ``onebit.json``.
 
-    python bench/onebit.py [--worlds 2,4] [--steps 200] [--bandwidth 1e6] [--out bench/out]
+    python bench/onebit.py [--path engine|loop] [--worlds 2,4] [--steps 200] [--bandwidth 1e6] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ from typing import Any
 import torch
 
 from dscompile.testing.distributed import run_distributed
-from dscompile.testing.onebit import Workload, entropy_floor, train_rank
+from dscompile.testing.onebit import Workload, entropy_floor, train_rank, train_rank_engine
 
-REFERENCE = {"onebitadam": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
+REFERENCE = {"onebitadam": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb", "onebitadam_zero1": "adamw_zero1"}
 TARGET_RATIO = {"onebitadam": 5.0, "zerooneadam": 26.0}
 
 
@@ -62,16 +65,24 @@ def optimizers(steps: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def _rank(rank: int, world: int, works: list[Workload]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in train_rank(rank, world, work).items() if k != "params"} for work in works]
+def _rank(rank: int, world: int, works: list[Workload], path: str) -> list[dict[str, Any]]:
+    train = train_rank_engine if path == "engine" else train_rank
+    return [{k: v for k, v in train(rank, world, work).items() if k != "params"} for work in works]
+
+
+def _workload(name: str, kw: dict[str, Any], **common: Any) -> Workload:
+    base, _, zero = name.partition("_zero")
+    return Workload(base, kw, zero_stage=int(zero or 0), **common)
 
 
 def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
     opts = optimizers(args.steps)
+    if args.path == "engine":
+        opts.update(adamw_zero1=opts["adamw"], onebitadam_zero1=opts["onebitadam"])
     common = dict(steps=args.steps, d_model=args.d_model, n_layers=args.layers, lr_warmup_steps=max(1, args.steps // 10), lr_final_fraction=0.1)
-    works = [Workload(name, kw, **common) for name, kw in opts.items()]
-    capped = [Workload(name, kw, bandwidth_bytes_per_s=args.bandwidth, **common) for name, kw in opts.items()]
-    ranks = run_distributed(_rank, world, works + capped, timeout=args.timeout)
+    works = [_workload(name, kw, **common) for name, kw in opts.items()]
+    capped = [_workload(name, kw, bandwidth_bytes_per_s=args.bandwidth, **common) for name, kw in opts.items()]
+    ranks = run_distributed(_rank, world, works + capped, args.path, timeout=args.timeout)
     rows = {}
     for i, name in enumerate(opts):
         free, slow = [r[i] for r in ranks], [r[len(opts) + i] for r in ranks]
@@ -95,10 +106,9 @@ def row_bytes(rank_result: dict[str, Any]) -> int:
 
 
 def print_table(world: int, rows: dict[str, Any], bandwidth: float) -> list[str]:
-    base = rows["adamw"]["total_bytes"]
     print(f"\nworld {world} (gloo, CPU; step times noisy: the machine is shared)")
     header = (
-        f"{'optimizer':12s} {'eval loss':>9s} {'vs ref':>7s} {'MB sent':>8s} {'x fewer':>8s} {'B/step warm':>11s} "
+        f"{'optimizer':17s} {'eval loss':>9s} {'vs ref':>7s} {'MB sent':>8s} {'x fewer':>8s} {'B/step warm':>11s} "
         f"{'B/step 1bit':>11s} {'local steps':>11s} {'ms/step':>8s} {'ms/step @cap':>12s} {'of which link':>13s}"
     )
     print(header)
@@ -109,9 +119,9 @@ def print_table(world: int, rows: dict[str, Any], bandwidth: float) -> list[str]
         compressed = [b for b in per_step if 0 < b < warm]
         ref = REFERENCE.get(name)
         rel = f"{100 * (row['eval_loss'] / rows[ref]['eval_loss'] - 1):+.1f}%" if ref else ""
-        ratio = base / row["total_bytes"]
+        ratio = rows["adamw_zero1" if name.endswith("_zero1") else "adamw"]["total_bytes"] / row["total_bytes"]
         print(
-            f"{name:12s} {row['eval_loss']:9.4f} {rel:>7s} {row['total_bytes'] / 1e6:8.2f} {ratio:8.1f} {warm:11d} "
+            f"{name:17s} {row['eval_loss']:9.4f} {rel:>7s} {row['total_bytes'] / 1e6:8.2f} {ratio:8.1f} {warm:11d} "
             f"{(statistics.median(compressed) if compressed else 0):11.0f} {per_step.count(0):11d} "
             f"{row['step_ms']:8.1f} {row['step_ms_capped']:12.1f} {row['emulated_comm_ms']:13.1f}"
         )
@@ -139,7 +149,7 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
         for name, row in rows.items():
             curve = torch.tensor(row["loss_curve"])
             smooth = torch.nn.functional.avg_pool1d(curve.view(1, 1, -1), 9, stride=1, padding=4, count_include_pad=False).view(-1)
-            ax.plot(smooth.tolist(), label=f"{name} ({row['eval_loss']:.3f})", linestyle="--" if name in ("adamw", "lamb") else "-")
+            ax.plot(smooth.tolist(), label=f"{name} ({row['eval_loss']:.3f})", linestyle="--" if name in ("adamw", "lamb", "adamw_zero1") else "-")
         ax.axhline(entropy_floor(), color="gray", linewidth=0.8, linestyle=":")
         ax.set_title(f"{world} gloo ranks: training loss (9-step mean)")
         ax.set_xlabel("step")
@@ -153,6 +163,7 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", choices=("engine", "loop"), default="engine", help="through dscompile.initialize, or a plain eager loop")
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--d-model", type=int, default=32)

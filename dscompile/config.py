@@ -387,15 +387,33 @@ _COMPRESSED_COMM_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 
 
 def _check_compressed_comm_optimizer(config: DSConfig) -> None:
-    """1-bit optimizers average over every rank of the world: refuse layouts where ranks hold different tensors."""
+    """1-bit optimizers average over every data-parallel rank: refuse the layouts they cannot serve.
+
+    OneBitAdam composes with ZeRO stage 1 (its reduce-scatter goes 1-bit); stages 2/3 reduce inside
+    the compiled graphs, 0/1 Adam's local steps need every rank's full momentum and 1-bit LAMB's
+    trust ratios need whole parameters, so those are refused here, before anything is built."""
     if config.optimizer is None or config.optimizer.type.lower().replace("_", "") not in _COMPRESSED_COMM_OPTIMIZERS:
         return
+    kind = config.optimizer.type.lower().replace("_", "")
     zero = config.sections.get("zero_optimization")
-    if zero is not None and getattr(zero, "stage", 0) > 0:
+    stage = getattr(zero, "stage", 0) if zero is not None else 0
+    if stage > 0 and kind != "onebitadam":
+        why = (
+            "its local steps update every parameter from each rank's own full momentum, which ZeRO partitions"
+            if kind == "zerooneadam"
+            else "its trust ratios and momentum scaling need whole parameters' norms, which ZeRO's flat shards split"
+        )
         raise DSCompileConfigError(
             "zero_optimization.stage",
-            f"optimizer {config.optimizer.type} does not compose with ZeRO yet (its compressed all-reduce would mix different ranks' shards)",
-            "use stage 0 with it, or optimizer type Adam/AdamW with ZeRO",
+            f"optimizer {config.optimizer.type} does not compose with ZeRO: {why}",
+            "use stage 0 with it, or OneBitAdam with ZeRO stage 1",
+        )
+    if stage > 1:
+        raise DSCompileConfigError(
+            "zero_optimization.stage",
+            f"optimizer {config.optimizer.type} composes with ZeRO stage 1 only: stages 2 and 3 reduce-scatter gradients inside the "
+            "compiled backward graphs, where the 1-bit exchange (with its per-rank worker errors) is not built",
+            "set zero_optimization.stage to 1 (its reduce-scatter goes 1-bit after the freeze) or 0",
         )
     if "pipeline_parallel" in config.sections:
         raise DSCompileConfigError(

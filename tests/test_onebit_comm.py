@@ -143,3 +143,63 @@ def test_single_process_is_the_identity_and_layouts_pad():
     with pytest.raises(ValueError, match="multiple of 8"):
         CompressedLayout.plan(100, 2, 12)
     assert wire_bytes("all_reduce", 400, 4) == 600 and wire_bytes("all_to_all", 400, 4) == 300 and wire_bytes("all_gather", 100, 4) == 300
+
+
+# ----------------------------------------------------------------------------- ZeRO-1's 1-bit reduce-scatter
+
+RS_CASES = [(37, None), (37, 16), (300, 2048)]
+"""Row lengths (each rank's shard) and block sizes: padded to a multiple of 8, several scales per row, one padded block."""
+
+
+def _rs_rank(rank: int, world: int):
+    from dscompile.runtime.onebit.comm import compressed_reduce_scatter, reduce_scatter_chunk
+
+    out = []
+    for row, block_size in RS_CASES:
+        comm = Collectives()
+        chunk, _ = reduce_scatter_chunk(row, block_size)
+        error = torch.zeros(world * chunk)
+        results = [compressed_reduce_scatter(_inputs(rank, r, world * row).view(world, row), error, block_size, comm) for r in range(ROUNDS)]
+        out.append({"results": results, "error": error.clone(), "stats": comm.stats.as_dict()})
+    return out
+
+
+def _simulate_reduce_scatter(world: int, row: int, block_size: int | None):
+    from dscompile.runtime.onebit.comm import reduce_scatter_chunk
+
+    chunk, block = reduce_scatter_chunk(row, block_size)
+    k = chunk // block
+    errors = [torch.zeros(world * chunk) for _ in range(world)]
+    rounds = []
+    for round_ in range(ROUNDS):
+        sent = []
+        for r in range(world):
+            padded = F.pad(_inputs(r, round_, world * row).view(world, row), (0, chunk - row))
+            packed, scales, new_error = compress_reference(padded.reshape(world * k, block), errors[r].view(world * k, block))
+            errors[r] = new_error.reshape(-1)
+            sent.append((packed.view(world, k, block // 8), scales.view(world, k)))
+        means = []
+        for r in range(world):
+            mean = decompress_mean_reference(torch.stack([sent[s][0][r] for s in range(world)]), torch.stack([sent[s][1][r] for s in range(world)]))
+            means.append(mean.reshape(-1)[:row])
+        rounds.append(means)
+    return rounds, errors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_compressed_reduce_scatter_equals_simulation(world):
+    per_rank = run_distributed_or_fail(_rs_rank, world, timeout=300)
+    for index, (row, block_size) in enumerate(RS_CASES):
+        rounds, errors = _simulate_reduce_scatter(world, row, block_size)
+        for r in range(world):
+            got = per_rank[r][index]
+            for round_ in range(ROUNDS):
+                torch.testing.assert_close(got["results"][round_], rounds[round_][r], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got["error"], errors[r], rtol=0, atol=1e-6)
+            # one all-to-all per round, nothing else: (w-1)/w of the packed signs and scales
+            from dscompile.runtime.onebit.comm import reduce_scatter_chunk
+
+            chunk, block = reduce_scatter_chunk(row, block_size)
+            assert got["stats"]["calls"] == {"all_to_all": ROUNDS}
+            assert got["stats"]["total_bytes"] == ROUNDS * wire_bytes("all_to_all", world * (chunk // 8 + 4 * (chunk // block)), world)

@@ -56,12 +56,7 @@ def build_optimizer(section: OptimizerConfig, params: Iterable[Any]) -> torch.op
     elif kind in _TORCH_OPTIMIZERS:
         cls = _TORCH_OPTIMIZERS[kind]
     elif kind in ONEBIT_OPTIMIZERS:
-        cls = ONEBIT_OPTIMIZERS[kind]
-        log.warning(
-            "%s: the engine does not yet hand its gradient communication to the optimizer, so it still all-reduces "
-            "gradients in fp32 every step (correct, but no bytes saved); in a plain loop the optimizer does all of it",
-            section.type,
-        )
+        cls = ONEBIT_OPTIMIZERS[kind]  # the engines hand it their gradient communication (runtime/onebit/engine.py)
     else:
         known = ["Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
         raise DSCompileConfigError("optimizer.type", f"unknown optimizer {section.type!r}", suggest(section.type, known) or f"use one of {known}")

@@ -51,6 +51,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 
 def check_zero_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
     """Refuse optimizers whose sharded step could differ from the unsharded one, unless allowed."""
+    if getattr(optimizer, "over_shards", None) is not None:
+        return  # it rebuilds itself over the shards (1-bit Adam), or refuses there with its own reason
     if type(optimizer) in ELEMENTWISE_OPTIMIZERS or allow_untested:
         return
     names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
@@ -71,6 +73,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, partition: ZeroPartition) 
         entry = {k: v for k, v in group.items() if k != "params"}
         entry["params"] = [partition.shard_for(p) for p in group["params"] if any(p is q for q in partition.full_params)]
         groups.append(entry)
+    over_shards = getattr(optimizer, "over_shards", None)
+    if over_shards is not None:  # settings outside the param groups (1-bit Adam's freeze_step) travel too
+        return over_shards(groups)
     try:
         return type(optimizer)(groups)
     except TypeError:

@@ -4,7 +4,8 @@ A small GPT (``dscompile.zoo``) learns a fixed random bigram language (every tok
 likely successors), so losses fall well below ``ln(vocab)`` and optimizers can be compared by
 their final loss. Each rank draws its own batches; ``train_rank`` runs on one rank of a
 ``run_distributed`` world, steps the named optimizer in a plain loop and returns its losses,
-per-step bytes and times.
+per-step bytes and times; ``train_rank_engine`` trains the same through ``dscompile.initialize`` (the
+engine does the gradient communication, optionally with ZeRO-1).
 
 Optimizer names: ``adamw`` (torch's AdamW after an fp32 all-reduce of the gradients, counted
 like the others), ``onebitadam``, ``zerooneadam``, ``onebitlamb``, and ``lamb`` (1-bit LAMB whose
@@ -21,7 +22,9 @@ from typing import Any
 
 import torch
 
+from dscompile.engine import initialize
 from dscompile.runtime.onebit import OPTIMIZERS, Collectives, CommStats
+from dscompile.runtime.onebit.engine import bytes_sent
 
 VOCAB = 64
 SUCCESSORS = 4
@@ -47,6 +50,8 @@ class Workload:
     bandwidth_bytes_per_s: float | None = None
     """Emulate a slow network: every collective sleeps ``bytes sent / bandwidth`` before it runs."""
     eval_batches: int = 4
+    zero_stage: int = 0
+    """``train_rank_engine`` only: ``zero_optimization.stage``."""
 
 
 def bigram_table(seed: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,4 +182,53 @@ def train_rank(rank: int, world: int, work: Workload) -> dict[str, Any]:
         "eval_loss": eval_loss(model, work),
         "stats": stats.as_dict(),
         "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+ENGINE_TYPES = {"adamw": "AdamW", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb", "lamb": "OneBitLamb"}
+"""``optimizer.type`` of each workload name through ``dscompile.initialize`` (``lamb``: 1-bit LAMB that never freezes)."""
+
+
+def train_rank_engine(rank: int, world: int, work: Workload) -> dict[str, Any]:
+    """``train_rank`` through ``dscompile.initialize``: the engine compiles the model and does the gradient
+    communication (bytes per step: what this rank sent, from ``engine.comm_stats``). With
+    ``bandwidth_bytes_per_s`` every step then sleeps ``bytes sent / bandwidth`` (counted in its time)."""
+    torch.manual_seed(work.seed)
+    model = build_model(work)
+    params = dict(work.optimizer_args)
+    if work.optimizer == "lamb":
+        params["freeze_step"] = 10**9
+    if work.optimizer == "adamw":
+        params.setdefault("weight_decay", 0.0)  # as DataParallelAdamW
+    config = {
+        "train_micro_batch_size_per_gpu": work.batch_size,
+        "optimizer": {"type": ENGINE_TYPES[work.optimizer], "params": params},
+        "zero_optimization": {"stage": work.zero_stage},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = initialize(model=model, config=config)
+    peaks = [group["lr"] for group in engine.optimizer.param_groups]
+    table = bigram_table(work.seed)
+    losses, step_bytes, seconds = [], [], []
+    for step in range(work.steps):
+        inputs, targets = bigram_batch(1_000_003 * (step + 1) + rank, work.batch_size, work.seq_len, table)
+        for group, peak in zip(engine.optimizer.param_groups, peaks):
+            group["lr"] = peak * lr_factor(work, step)
+        before = bytes_sent(engine.comm_stats, world)
+        start = time.perf_counter()
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        sent = bytes_sent(engine.comm_stats, world) - before
+        if work.bandwidth_bytes_per_s:
+            time.sleep(sent / work.bandwidth_bytes_per_s)
+        seconds.append(time.perf_counter() - start)
+        step_bytes.append(sent)
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "bytes": step_bytes,
+        "seconds": seconds,
+        "eval_loss": eval_loss(model, work),
+        "stats": {"total_bytes": sum(step_bytes), "bytes_by_purpose": engine.communication_stats()},
     }

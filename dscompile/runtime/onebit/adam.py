@@ -51,6 +51,7 @@ class OneBitAdam(CompressedCommOptimizer):
         block_size: int | None = DEFAULT_BLOCK_SIZE,
         kernel_impl: str | None = None,
         zero_variance_mask: bool = True,
+        local: bool = False,
     ) -> None:
         name = type(self).__name__
         betas = check_hyperparameters(name, lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
@@ -68,6 +69,32 @@ class OneBitAdam(CompressedCommOptimizer):
             kernel_impl=kernel_impl,
             zero_variance_mask=zero_variance_mask,
             name=name,
+            local=local,
+        )
+
+    zero_shardable = True
+
+    def over_shards(self, param_groups: list[dict[str, Any]]) -> OneBitAdam:
+        """The same 1-bit Adam over ZeRO-1's flat shards, communicating nothing itself: the engine's
+        gradient strategy hands it averaged gradients (fp32 reduce-scatter in the warm-up, the 1-bit
+        one after), and every update is element-wise, so stepping shards equals stepping parameters."""
+        if any(group.get("exp_avg_mask") is not None for group in self.param_groups):
+            from dscompile.errors import DSCompileConfigError
+
+            raise DSCompileConfigError(
+                "optimizer.exp_avg_mask", "is shaped like whole parameters, but ZeRO steps flat shards", "drop the mask or use ZeRO stage 0"
+            )
+        return OneBitAdam(
+            param_groups,
+            freeze_step=self.freeze_step,
+            eps_inside_sqrt=self.eps_inside_sqrt,
+            cuda_aware=self.cuda_aware,
+            comm_backend_name=self.comm_backend_name,
+            bucket_size=self.bucket_size,
+            block_size=self.block_size,
+            kernel_impl=self.kernel_impl,
+            zero_variance_mask=self.zero_variance_mask,
+            local=True,
         )
 
     def needs_averaged_gradients(self) -> bool:

@@ -11,7 +11,7 @@ rank's own (un-averaged) gradients. An engine that averages gradients itself whe
 Every trainable parameter is stepped every step; one without a gradient counts as a zero
 gradient, so that all ranks issue the same collectives and replicas stay identical.
 
-What an engine must do with one (not wired into ``DSCompileEngine`` yet):
+What an engine must do with one (``runtime/onebit/engine.py`` does it for every dscompile engine):
 
 - build it with ``process_group=`` its data-parallel group, and either leave all communication
   to it (never average gradients itself) or call ``set_gradient_averaging(by_caller=True)`` and,
@@ -21,6 +21,11 @@ What an engine must do with one (not wired into ``DSCompileEngine`` yet):
   across ranks, so an overflow flag must be (as the engine does for ZeRO);
 - save and load ``state_dict()`` per rank (the errors differ), with the same world size;
 - read ``communication_stats()`` for its byte counters.
+
+Under ZeRO-1 the engine steps ``over_shards(groups)``: the same optimizer over the flat shards,
+communicating nothing itself (``local=True``), while the engine's gradient strategy does the
+exchange; what that exchange must keep per rank (its worker errors) lives in ``exchange_state``,
+so it travels in this rank's ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
 
     eps_inside_sqrt = False
 
+    zero_shardable = False
+    """True when ``over_shards`` exists: the update is element-wise, so ZeRO may step flat shards."""
+
     _SCALARS: tuple[str, ...] = ()
     """Names of the subclass's optimizer-level counters, kept in ``state_dict()["onebit"]``."""
 
@@ -93,6 +101,7 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         kernel_impl: str | None,
         zero_variance_mask: bool,
         name: str,
+        local: bool = False,
     ) -> None:
         if comm_backend_name not in DEEPSPEED_TRANSPORTS:
             raise ValueError(
@@ -111,10 +120,13 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         self.comm_backend_name = comm_backend_name
         self.cuda_aware = cuda_aware  # DeepSpeed's MPI switch; torch.distributed moves device buffers itself
         self.block_size = block_size
+        self.bucket_size = bucket_size
         self.kernel_impl = kernel_impl
         self.zero_variance_mask = bool(zero_variance_mask)
-        self.comm = Collectives(process_group, CommStats())
-        self.gradients_averaged_by_caller = False
+        self.comm = Collectives.local(CommStats()) if local else Collectives(process_group, CommStats())
+        self.gradients_averaged_by_caller = local  # a local optimizer's caller communicates everything
+        self.exchange_state: dict[str, Any] = {}
+        """Per-rank state of a caller's gradient exchange (ZeRO-1's worker errors), saved in ``state_dict()``."""
         self.global_step = 0
         trainable = []
         for group in self.param_groups:
@@ -147,6 +159,16 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         """``by_caller=True``: whenever ``needs_averaged_gradients()`` is true, the caller has already
         averaged the gradients (an engine's bucketed all-reduce); otherwise ``step()`` averages them."""
         self.gradients_averaged_by_caller = bool(by_caller)
+
+    def over_shards(self, param_groups: list[dict[str, Any]]) -> CompressedCommOptimizer:
+        """The same optimizer (settings, hyper-parameters) over ZeRO's flat shards, communicating nothing itself."""
+        from dscompile.errors import DSCompileConfigError
+
+        raise DSCompileConfigError(
+            "zero_optimization.stage",
+            f"{type(self).__name__} cannot step ZeRO shards: its update is not element-wise (it needs whole parameters or every rank's full momentum)",
+            "use OneBitAdam with ZeRO stage 1, or train this optimizer without ZeRO (stage 0)",
+        )
 
     def communication_stats(self) -> dict[str, Any]:
         """Collectives issued by this optimizer on this rank and the bytes sent (see ``comm.wire_bytes``)."""
@@ -203,6 +225,7 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
             "layout": [(b.numels, b.layout.world, b.layout.block) for b in self.buckets],
             "rank": self.comm.rank,
             "errors": [None if b.worker_error is None else (b.worker_error, b.server_error) for b in self.buckets],
+            "exchange": _copy(self.exchange_state),
         }
         return state
 
@@ -210,7 +233,11 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         share = state_dict.pop("onebit", None)
         if share is None:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no 'onebit' share; it was not saved by a {type(self).__name__}")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state has no 'onebit' share: it was not saved by a {type(self).__name__}, "
+                "or a checkpoint is being re-laid out (another world size or ZeRO stage), which the per-rank compression errors "
+                "cannot follow; load it with load_optimizer_states=False (the weights and counters still load)"
+            )
         layout = [(list(numels), world, block) for numels, world, block in share["layout"]]
         mine = [(b.numels, b.layout.world, b.layout.block) for b in self.buckets]
         if layout != mine:
@@ -230,6 +257,8 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         self.global_step = int(share["global_step"])
         for name, value in share["scalars"].items():
             setattr(self, name, _copy(value))
+        device = self.buckets[0].params[0].device
+        self.exchange_state = _copy(share.get("exchange", {}), device)
         for bucket, errors in zip(self.buckets, share["errors"]):
             if errors is None:
                 bucket.worker_error = bucket.server_error = None
@@ -301,11 +330,11 @@ def _plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, world: int
     return buckets
 
 
-def _copy(value: Any) -> Any:
+def _copy(value: Any, device: torch.device | None = None) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().to(device).clone() if device is not None else value.detach().clone()
     if isinstance(value, list):
-        return [_copy(v) for v in value]
+        return [_copy(v, device) for v in value]
     if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: _copy(v, device) for k, v in value.items()}
     return value

@@ -15,15 +15,25 @@ Both errors are per rank: checkpoints must keep each rank's own. A block is ``bl
 values, or a whole chunk when ``block_size`` is None (DeepSpeed's server side: one scale per
 rank's chunk). Every rank ends with bitwise the same result.
 
+``compressed_reduce_scatter`` is steps 1-3 alone, for ZeRO-1: the rows of a ``[world, n]``
+buffer are the ranks' shards, and rank ``r`` ends with the mean of row ``r`` (no server error,
+no all-gather: ZeRO-1's parameter all-gather follows the optimizer step instead).
+
 Bytes are counted as what this rank puts on the wire under the usual bandwidth-optimal
 algorithms, from the tensors handed to each collective: all-reduce (ring) ``2 (w-1)/w x bytes``,
 all-to-all ``(w-1)/w x bytes`` (its own chunk stays), all-gather ``(w-1) x`` its input bytes.
+Inside an engine every collective is also counted in ``engine.communication_stats()`` under the
+source ``onebit`` (op ``<purpose>.<collective>``), with the engine's message-size convention and
+its wall time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dscompile.kernels import onebit as onebit_kernels
+from dscompile.runtime import comm_stats as engine_comm_stats
 
 
 def wire_bytes(op: str, nbytes: int, world: int) -> int:
@@ -83,7 +94,8 @@ class CommStats:
 class Collectives:
     """The blocking torch.distributed collectives the 1-bit runtime issues, each counted in ``stats``.
 
-    Without an initialised process group it is a world of one, where every exchange is the identity."""
+    Without an initialised process group (or built with ``local()``) it is a world of one, where
+    every exchange is the identity."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
         self.group = group
@@ -92,18 +104,38 @@ class Collectives:
         self.world = dist.get_world_size(group) if initialised else 1
         self.rank = dist.get_rank(group) if initialised else 0
 
+    @classmethod
+    def local(cls, stats: CommStats | None = None) -> Collectives:
+        """A world of one whatever the process group: for an optimizer whose communication a caller does (ZeRO-1)."""
+        out = cls.__new__(cls)
+        out.group, out.stats, out.world, out.rank = None, stats if stats is not None else CommStats(), 1, 0
+        return out
+
     def all_reduce_sum_(self, tensor: torch.Tensor, purpose: str) -> None:
         self.stats.record("all_reduce", purpose, wire_bytes("all_reduce", _nbytes(tensor), self.world))
-        dist.all_reduce(tensor, group=self.group)
+        with _engine_counted("all_reduce", purpose, _nbytes(tensor)):
+            dist.all_reduce(tensor, group=self.group)
 
     def all_to_all_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str) -> None:
         self.stats.record("all_to_all", purpose, wire_bytes("all_to_all", _nbytes(inp), self.world))
-        dist.all_to_all_single(out, inp, group=self.group)
+        with _engine_counted("all_to_all", purpose, _nbytes(inp)):
+            dist.all_to_all_single(out, inp, group=self.group)
 
     def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str) -> None:
         self.stats.record("all_gather", purpose, wire_bytes("all_gather", _nbytes(inp), self.world))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        gather(out, inp, group=self.group)
+        with _engine_counted("all_gather", purpose, _nbytes(out)):
+            gather(out, inp, group=self.group)
+
+
+@contextlib.contextmanager
+def _engine_counted(op: str, purpose: str, message_bytes: int) -> Iterator[None]:
+    """Also count the collective in the running engine's ``communication_stats()`` (a no-op in a plain loop)."""
+    begin = time.perf_counter()
+    try:
+        yield
+    finally:
+        engine_comm_stats.record("onebit", f"{purpose}.{op}", message_bytes, time.perf_counter() - begin)
 
 
 @dataclass(frozen=True)
@@ -175,6 +207,52 @@ def compressed_all_reduce(
     rows = gathered.view(w, -1)
     out = onebit_kernels.decompress(rows[:, :chunk_bytes].reshape(w * k, block // 8), _floats(rows[:, chunk_bytes:], (w * k,)), impl)
     return out.view(-1)[: layout.numel]
+
+
+def reduce_scatter_chunk(row: int, block_size: int | None) -> tuple[int, int]:
+    """``(chunk, block)`` of ``compressed_reduce_scatter`` for rows of ``row`` values: each row is
+    padded to ``chunk`` (a multiple of ``block``, itself a multiple of 8) and every ``block`` values
+    share a scale (``block_size`` None: one scale per row)."""
+    if row < 1:
+        raise ValueError(f"a compressed reduce-scatter needs rows of at least one value, got {row}")
+    if block_size is None:
+        chunk = math.ceil(row / 8) * 8
+        return chunk, chunk
+    if block_size < 8 or block_size % 8:
+        raise ValueError(f"block_size must be a positive multiple of 8 (signs travel 8 to a byte), got {block_size}")
+    return math.ceil(row / block_size) * block_size, block_size
+
+
+def compressed_reduce_scatter(
+    rows: torch.Tensor,
+    worker_error: torch.Tensor,
+    block_size: int | None,
+    comm: Collectives,
+    purpose: str = "compressed_gradient",
+    impl: str | None = None,
+) -> torch.Tensor:
+    """The mean over the ranks of row ``comm.rank`` of ``rows`` (fp32 ``[world, n]``), sent 1-bit.
+
+    Each rank adds its ``worker_error`` (fp32 ``[world x chunk]``, see ``reduce_scatter_chunk``) to
+    its rows, compresses them (the error keeps what was lost) and sends row ``r`` to rank ``r`` with
+    one all-to-all; rank ``r`` averages the ``world`` decompressed copies of its row. ZeRO-1 lays its
+    shards out as these rows, so each rank receives exactly its shard."""
+    w, row = rows.shape
+    if w != comm.world:
+        raise ValueError(f"{w} rows for a world of {comm.world} ranks")
+    chunk, block = reduce_scatter_chunk(row, block_size)
+    if worker_error.numel() != w * chunk:
+        raise ValueError(f"worker_error holds {worker_error.numel()} values, {w * chunk} expected")
+    if comm.world == 1:
+        return rows[0].float().clone()
+    k = chunk // block
+    padded = F.pad(rows.float(), (0, chunk - row))
+    packed, scales = onebit_kernels.compress(padded.reshape(w * k, block), worker_error.view(w * k, block), impl)
+    send = torch.cat([packed.view(w, chunk // 8), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
+    recv = torch.empty_like(send)
+    comm.all_to_all_(recv, send, purpose)
+    mine = onebit_kernels.decompress_mean(recv[:, : chunk // 8].reshape(w, k, block // 8), _floats(recv[:, chunk // 8 :], (w, k)), impl)
+    return mine.reshape(-1)[:row]
 
 
 def _floats(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,0 +1,303 @@
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB inside a dscompile engine: the engine hands them its gradient communication.
+
+``OneBitExtension`` (registered by ``passes/onebit.py``, inert unless the engine's optimizer is one of
+them) installs a gradient strategy at construction:
+
+- without ZeRO, ``OneBitGradients``: at each accumulation boundary the gradients are averaged with the
+  engine's fp32 all-reduce exactly when the optimizer's coming step needs them averaged
+  (``needs_averaged_gradients()``: 1-bit Adam/LAMB's warm-up, 0/1 Adam's variance steps); otherwise
+  each rank keeps its own and the optimizer's step exchanges its compressed momentum (0/1 Adam's
+  local steps send nothing). So there is no second, uncompressed all-reduce.
+- with ZeRO-1 (``OneBitAdam`` only), ``OneBitZeroGradients``: the optimizer steps this rank's flat
+  shards (``over_shards``: it communicates nothing itself). In the warm-up ZeRO-1's fp32
+  reduce-scatter feeds it; after the freeze a 1-bit reduce-scatter does
+  (``compressed_reduce_scatter``): each rank compresses its own gradient, the momentum's per-rank
+  contribution, with its worker error, laid out as ``[world, shard]`` rows so that the chunk a rank
+  averages is exactly its ZeRO shard; the shard's momentum ``m = beta1 m + (1 - beta1) g`` is then
+  formed from that average by the owner. No server error and no compressed all-gather: ZeRO-1's
+  parameter all-gather after the step replaces them (so only the reduce half is compressed).
+  The worker errors travel in the shard optimizer's ``state_dict`` (ZeRO's per-rank files).
+
+Clipping (``gradient_clipping``) acts on the gradients the optimizer is about to use, as DeepSpeed
+0.19.5's engine did with these optimizers (it switched its backward all-reduce off after the freeze
+and clipped what was left with its ``clip_grad_norm_``, which averages the ranks' norms over the
+data-parallel group): in warm-up steps the averaged gradient by its norm (equal on every rank);
+after the freeze each rank's own gradient, scaled by ``max_norm / (mean of the ranks' local norms)``
+(the same factor on every rank; ``get_global_grad_norm()`` reports that mean). DeepSpeed's fp16
+optimizer used each rank's own norm instead; here every precision clips alike. Under ZeRO-1 the
+gradient used is the 1-bit averaged one, clipped by its global norm (summed over the shards). fp16 overflow
+is agreed across ranks by the engine core, so every rank skips the same steps; a skipped step leaves
+the compression errors untouched (they are kept unscaled by the loss scale).
+
+Counters: every collective of the 1-bit runtime appears in ``engine.communication_stats()`` under
+``onebit`` (``<purpose>.<collective>``), and the extension's counters (under
+``extensions.onebit``) give bytes *sent* per rank (the bandwidth-optimal algorithms' volume, as
+``comm.wire_bytes``) for the last step, per phase, and what an fp32 all-reduce would send; the
+progress log prints them every ``steps_per_print`` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter
+from dscompile.runtime.comm_stats import CommStats as EngineCommStats
+from dscompile.runtime.data_parallel import DataParallelGradients
+from dscompile.runtime.devices import collective_device
+from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, EngineExtension, _agree_any
+from dscompile.runtime.onebit.base import CompressedCommOptimizer
+from dscompile.runtime.onebit.comm import Collectives, CommStats, compressed_reduce_scatter, reduce_scatter_chunk, wire_bytes
+from dscompile.runtime.onebit.zero_one_adam import ZeroOneAdam
+from dscompile.runtime.zero_extension import ZeroGradients
+from dscompile.runtime.zero_shard import ZeroPartition
+
+log = logging.getLogger("dscompile.runtime.onebit")
+
+_SENT_FACTOR = {
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "all_gather": lambda w: (w - 1) / w,  # of the gathered output, the engine's message size
+    "all_to_all": lambda w: (w - 1) / w,
+}
+
+
+def bytes_sent(stats: EngineCommStats, world: int) -> int:
+    """Bytes this rank put on the wire for the collectives in ``stats`` (message sizes converted with the
+    ring/pairwise volumes of ``comm.wire_bytes``; an op of unknown algorithm counts its message size)."""
+    if world <= 1:
+        return 0
+    total = 0.0
+    for (_source, op), counter in stats.counters.items():
+        kind = op.rsplit(".", 1)[-1]
+        total += counter.bytes * (_SENT_FACTOR[kind](world) if kind in _SENT_FACTOR else 1.0)
+    return int(round(total))
+
+
+def rank_file(rank: int) -> str:
+    return f"onebit_rank_{rank}_states.pt"
+
+
+class OneBitGradients(DataParallelGradients):
+    """Whole replicas; gradients averaged in fp32 only for the steps whose optimizer needs them averaged."""
+
+    name = "onebit"
+
+    def __init__(self, module: nn.Module, optimizer: CompressedCommOptimizer) -> None:
+        super().__init__(module)
+        optimizer.set_gradient_averaging(by_caller=True)
+
+    def reduce(self, engine: EngineCore) -> None:
+        if engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
+            super().reduce(engine)
+        # otherwise every rank keeps its own gradients: the optimizer's step exchanges them 1-bit (or, 0/1 Adam's local steps, not at all)
+
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        """Averaged gradients: by their norm (the same on every rank). Each rank's own gradients (after the freeze):
+        every rank scales its own by ``max_norm / (mean of the ranks' norms + 1e-6)`` (at most 1), as DeepSpeed 0.19.5's
+        ``clip_grad_norm_`` does; one scalar all-reduce."""
+        if self.world_size == 1 or engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
+            return super().clip(engine, params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else params[0].device
+        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros((), device=device)
+        mean = (local.float() / self.world_size).reshape(1).to(collective_device(like=local))
+        with engine.comm_stats.timed("onebit", "clip_norm.all_reduce", 4):
+            dist.all_reduce(mean)
+        coefficient = torch.clamp(max_norm / (mean.to(device) + 1e-6), max=1.0).reshape(())
+        if grads:
+            torch._foreach_mul_(grads, coefficient)
+        return float(mean)
+
+    def save_checkpoint(self, engine: EngineCore, ckpt: CheckpointWriter, client_state: dict | None) -> None:
+        """Rank 0's model states as without 1-bit, plus every rank's own compression errors and counters."""
+        super().save_checkpoint(engine, ckpt, client_state)
+        share = engine.optimizer.state_dict()["onebit"]  # type: ignore[union-attr]
+        ckpt.save({"rank": self.rank, "world_size": self.world_size, "onebit": share}, rank_file(self.rank))
+
+    def load_checkpoint(
+        self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+    ) -> dict | None:
+        client = super().load_checkpoint(engine, directory, False, load_lr_scheduler_states, load_module_only)
+        if load_module_only or not load_optimizer_states or engine.optimizer is None:
+            return client
+        reader = CheckpointReader(directory)
+        if not reader.has(rank_file(self.rank)):
+            raise CheckpointError(
+                f"{directory} has no 1-bit state for rank {self.rank} ({rank_file(self.rank)}): it was saved by another optimizer "
+                f"or on fewer ranks; the compression errors are per rank, so resume on the same {self.world_size} ranks "
+                "(or pass load_optimizer_states=False)"
+            )
+        own = reader.load(rank_file(self.rank))
+        state = dict(reader.load(MODEL_STATES)["optimizer"])
+        state["onebit"] = own["onebit"]
+        engine.optimizer.load_state_dict(state)
+        return client
+
+
+class OneBitZeroGradients(ZeroGradients):
+    """ZeRO-1 whose gradient reduce-scatter goes 1-bit once the optimizer no longer needs fp32-averaged gradients."""
+
+    name = "onebit_zero"
+
+    def __init__(self, partition: ZeroPartition, ignore_unused_parameters: bool, block_size: int | None, kernel_impl: str | None) -> None:
+        super().__init__(partition, ignore_unused_parameters)
+        self.block_size = block_size
+        self.kernel_impl = kernel_impl
+        self.comm = Collectives(partition.group, CommStats())
+        self.buckets = list(partition._buckets(range(len(partition.layouts))))  # fixed: every parameter, every step
+
+    def reduce(self, engine: EngineCore) -> None:
+        optimizer = engine.optimizer
+        if optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
+            super().reduce(engine)  # ZeRO-1's fp32 reduce-scatter
+            return
+        if not self.ignore_unused_parameters:
+            self._refuse_unused()
+        self._compressed_reduce(engine, optimizer.exchange_state)  # type: ignore[union-attr]
+
+    @torch.no_grad()
+    def _compressed_reduce(self, engine: EngineCore, exchange: dict[str, Any]) -> None:
+        zero = self.partition
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in zero.full_params]
+        scaler = engine.loss_scaler
+        scale = float(getattr(scaler, "loss_scale", 1.0)) if scaler is not None else 1.0
+        if zero.world > 1 and any(e.checks_overflow for e in engine.extensions):
+            local = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).isfinite().all()
+            if _agree_any(not bool(local), zero.group):
+                # An overflow somewhere: send nothing (the errors stay clean) and let the loss scaler see it on every rank.
+                for shard in zero.shards:
+                    shard.grad = torch.full_like(shard, float("inf"))
+                for p in zero.full_params:
+                    p.grad = None
+                return
+        errors: list[torch.Tensor | None] = exchange.setdefault("worker_errors", [None] * len(self.buckets))
+        for b, bucket in enumerate(self.buckets):
+            pieces = []
+            for i in bucket:
+                layout = zero.layouts[i]
+                pieces.append(F.pad(grads[i].reshape(-1).float(), (0, layout.shard_numel * zero.world - layout.numel)).view(zero.world, -1))
+            rows = torch.cat(pieces, dim=1)  # row r: rank r's ZeRO shard of every parameter in the bucket
+            if scale != 1.0:
+                rows.div_(scale)  # errors live unscaled, so a change of the loss scale does not corrupt them
+            if errors[b] is None:
+                chunk, _ = reduce_scatter_chunk(rows.shape[1], self.block_size)
+                errors[b] = torch.zeros(zero.world * chunk, device=rows.device)
+            mine = compressed_reduce_scatter(rows, errors[b], self.block_size, self.comm, "compressed_gradient", self.kernel_impl)  # type: ignore[arg-type]
+            if scale != 1.0:
+                mine.mul_(scale)  # the loss scaler unscales the shards next (a power of two: exact)
+            offset = 0
+            for i in bucket:
+                length = zero.layouts[i].shard_numel
+                shard = zero.shards[i]
+                piece = mine[offset : offset + length].to(shard.dtype)
+                shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
+                offset += length
+        for p in zero.full_params:
+            p.grad = None
+
+
+def _phase(optimizer: CompressedCommOptimizer) -> str:
+    """What the coming step communicates: ``full_precision``, ``compressed`` or (0/1 Adam) ``local``."""
+    if optimizer.needs_averaged_gradients():
+        return "full_precision"
+    if isinstance(optimizer, ZeroOneAdam) and optimizer.var_frozen and not optimizer.is_sync_step(optimizer.global_step + 1):
+        return "local"
+    return "compressed"
+
+
+class OneBitExtension(EngineExtension):
+    """Hands the engine's gradient communication to a 1-bit optimizer; counts and logs the bytes per step."""
+
+    name = "onebit"
+
+    def __init__(self) -> None:
+        self.optimizer: CompressedCommOptimizer | None = None
+        self.purpose_stats: CommStats | None = None
+        self.world = 1
+        self.fp32_bytes_per_step = 0
+        self.phase = ""
+        self.last_step_bytes = 0
+        self.bytes_by_phase: dict[str, int] = {}
+        self.steps_by_phase: dict[str, int] = {}
+        self._seen = 0
+
+    def configure(self, engine: EngineCore) -> None:
+        optimizer = engine.optimizer
+        if not isinstance(optimizer, CompressedCommOptimizer):
+            return  # not a 1-bit optimizer: nothing to do
+        if isinstance(engine.gradients, ZeroGradients):
+            zero = engine.gradients.partition
+            if zero.stage != 1:
+                raise DSCompileConfigError(
+                    "zero_optimization.stage",
+                    f"{type(optimizer).__name__} composes with ZeRO stage 1 only: stages 2 and 3 reduce-scatter gradients inside "
+                    "the compiled backward graphs, where the 1-bit exchange (with its per-rank worker errors) is not built",
+                    "set zero_optimization.stage to 1 (its reduce-scatter goes 1-bit after the freeze) or 0",
+                )
+            strategy = OneBitZeroGradients(zero, engine.gradients.ignore_unused_parameters, optimizer.block_size, optimizer.kernel_impl)
+            engine.gradients = strategy
+            self.purpose_stats = strategy.comm.stats
+        elif engine.gradients is None:
+            engine.gradients = OneBitGradients(engine.module, optimizer)
+            self.purpose_stats = optimizer.comm.stats
+        else:
+            raise DSCompileConfigError(
+                "pipeline",
+                f"{type(optimizer).__name__} does not support pipeline parallelism (its exchange would average across stages)",
+                "train without a pipeline section, or use Adam/AdamW",
+            )
+        self.optimizer = optimizer
+        self.world = engine.world_size
+        numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        self.fp32_bytes_per_step = wire_bytes("all_reduce", 4 * numel, self.world)
+
+    def on_gradients_ready(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
+        if self.optimizer is not None:
+            self.phase = _phase(engine.optimizer)  # type: ignore[arg-type]
+
+    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+        if self.optimizer is None:
+            return
+        sent = bytes_sent(engine.comm_stats, self.world)
+        self.last_step_bytes = sent - self._seen
+        self._seen = sent
+        self.bytes_by_phase[self.phase] = self.bytes_by_phase.get(self.phase, 0) + self.last_step_bytes
+        self.steps_by_phase[self.phase] = self.steps_by_phase.get(self.phase, 0) + 1
+        if engine.global_rank == 0 and engine.global_steps % engine.config.steps_per_print == 0:
+            ratio = f"{self.fp32_bytes_per_step / self.last_step_bytes:.1f}x fewer than" if self.last_step_bytes else "nothing, vs"
+            log.info(
+                "step %d (%s %s): %d bytes sent this step, %s an fp32 all-reduce (%d bytes)",
+                engine.global_steps,
+                type(self.optimizer).__name__,
+                self.phase,
+                self.last_step_bytes,
+                ratio,
+                self.fp32_bytes_per_step,
+            )
+
+    def counters(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {}
+        return {
+            "optimizer": type(self.optimizer).__name__,
+            "last_phase": self.phase,
+            "bytes_sent_last_step": self.last_step_bytes,
+            "fp32_all_reduce_bytes_per_step": self.fp32_bytes_per_step,
+            "bytes_sent_by_phase": dict(self.bytes_by_phase),
+            "steps_by_phase": dict(self.steps_by_phase),
+            "onebit_bytes_sent_by_purpose": dict(self.purpose_stats.as_dict()["bytes_by_purpose"]) if self.purpose_stats else {},
+        }
+
+
+def onebit_extension(config: Any) -> OneBitExtension:
+    """Every engine gets one; it acts only when the engine's optimizer is a 1-bit optimizer (from the
+    config or passed in), so an optimizer object built by the user is handled like a configured one."""
+    return OneBitExtension()
