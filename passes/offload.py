@@ -112,7 +112,7 @@ class OptimizerOffload(EngineExtension):
         settings = OffloadSettings(
             device=oc.device,
             nvme_path=oc.nvme_path,
-            pin_memory=oc.pin_memory,
+            pin_memory=oc.pin_memory if self.zc.cpu_offload_use_pin_memory is None else bool(self.zc.cpu_offload_use_pin_memory),
             buffer_count=oc.buffer_count,
             ratio=float(oc.ratio),
             tile_elements=int(self.zc.sub_group_size),

@@ -165,8 +165,6 @@ class ZeroConfig:
             if self.offload_optimizer is not None and self.offload_optimizer.device != "cpu":
                 raise DSCompileConfigError(f"{path}.cpu_offload", f"contradicts offload_optimizer.device={self.offload_optimizer.device}", "keep one of them")
             self.offload_optimizer = self.offload_optimizer or OffloadOptimizerConfig(device="cpu")
-        if self.cpu_offload_use_pin_memory is not None and self.offload_optimizer is not None:
-            self.offload_optimizer.pin_memory = bool(self.cpu_offload_use_pin_memory)  # its old spelling of pin_memory
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             raise DSCompileConfigError(
                 f"{path}.offload_optimizer", "offloads ZeRO's partitioned optimizer states, and ZeRO is off (stage 0)", "set stage to 1, 2 or 3"
