@@ -24,6 +24,10 @@ How each key is used:
   (unset: torch's own setting).
 - ``super_offload`` (DeepSpeed's SuperOffload for superchips) is refused.
 - ``zero_optimization.sub_group_size``: the NVMe tile, in elements (as in DeepSpeed's swapper).
+- ``zero_optimization.offload_memory_limit`` (dscompile's own; bytes of model states per rank, 0 = no
+  limit): the planner (``dscompile/planner.py``) offloads only the optimizer states that do not fit
+  under it (none when everything fits), never more than ``ratio``; its plan table is logged at start
+  and printed by ``dscompile plan``.
 
 The top-level ``aio`` section tunes the swap I/O: ``block_size`` (bytes per read/write call),
 ``intra_op_parallelism`` / ``thread_count`` (I/O threads: the larger is used). ``queue_depth``,
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.planner import OffloadPlan, PlannedParameter, plan_optimizer_offload
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 
 log = logging.getLogger("dscompile.passes.offload")
@@ -98,10 +103,11 @@ class OptimizerOffload(EngineExtension):
         self.zc = zc
         self.config = config
         self.optimizer: Any = None
+        self.plan: OffloadPlan | None = None
 
     def configure(self, engine: EngineCore) -> None:
         from dscompile.runtime.offload import OffloadedOptimizer, OffloadSettings
-        from dscompile.runtime.offload.optimizer import host_threads_from_fraction
+        from dscompile.runtime.offload.optimizer import host_threads_from_fraction, state_bytes_per_element
 
         if engine.zero is None:
             raise DSCompileConfigError("zero_optimization.offload_optimizer", "needs ZeRO (stage 1, 2 or 3) to partition the optimizer first")
@@ -109,6 +115,23 @@ class OptimizerOffload(EngineExtension):
             log.warning("zero_optimization.offload_optimizer: no optimizer, so there are no optimizer states to offload")
             return
         oc = self.zc.offload_optimizer
+        zero = engine.zero
+        shards = dict(zip((layout.name for layout in zero.layouts), zero.shards, strict=True))
+        self.plan = plan_optimizer_offload(
+            [PlannedParameter(layout.name, layout.numel, layout.shard_numel, layout.persistent) for layout in zero.layouts],
+            stage=zero.stage,
+            world=zero.world,
+            device=oc.device,
+            state_bytes_per_element=state_bytes_per_element(engine.optimizer),
+            ratio=float(oc.ratio),
+            limit=int(self.zc.offload_memory_limit),
+            host_is_device=all(s.device.type == "cpu" for s in zero.shards),
+        )
+        if zero.rank == 0:
+            log.info("%s", self.plan.table())
+        if not self.plan.offloaded_names:
+            log.info("zero_optimization.offload_memory_limit: every model state fits on the device, nothing is offloaded")
+            return
         settings = OffloadSettings(
             device=oc.device,
             nvme_path=oc.nvme_path,
@@ -122,7 +145,8 @@ class OptimizerOffload(EngineExtension):
             host_threads=host_threads_from_fraction(oc.cpuadam_cores_perc),
             **aio_settings(self.config),
         )
-        self.optimizer = OffloadedOptimizer(engine.optimizer, engine.zero.shards, settings, rank=engine.zero.rank)
+        chosen = [shards[name] for name in self.plan.offloaded_names]
+        self.optimizer = OffloadedOptimizer(engine.optimizer, zero.shards, settings, rank=zero.rank, chosen=chosen)
         engine.optimizer = self.optimizer
 
     def counters(self) -> dict[str, Any]:

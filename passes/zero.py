@@ -79,7 +79,9 @@ class ZeroConfig:
     (rebuild master weights from 16-bit copies) is refused: checkpoints hold the fp32 shards.
     ``offload_optimizer`` (``passes/offload.py``: fp32 master shards and optimizer states on the host or
     in NVMe swap files; ``cpu_offload: true`` and ``cpu_offload_use_pin_memory`` are its old spellings)
-    works with stages 1-3, and then ``sub_group_size`` is the NVMe swap tile in elements.
+    works with stages 1-3, and then ``sub_group_size`` is the NVMe swap tile in elements;
+    ``offload_memory_limit`` (dscompile's own, bytes per rank, 0 = none) lets the planner offload only
+    what does not fit.
     ``offload_param``, ZeRO++, ZenFlow and MiCS are refused.
     """
 
@@ -129,6 +131,7 @@ class ZeroConfig:
     pipeline_loading_checkpoint: bool = unbuilt(False, "loading ZeRO-3 checkpoints in pipeline mode")
     unshard_budget: int | float = 0
     profile_steps: int = 0
+    offload_memory_limit: int | float = 0
 
     _SIZES = (
         "reduce_bucket_size",
@@ -165,6 +168,15 @@ class ZeroConfig:
             if self.offload_optimizer is not None and self.offload_optimizer.device != "cpu":
                 raise DSCompileConfigError(f"{path}.cpu_offload", f"contradicts offload_optimizer.device={self.offload_optimizer.device}", "keep one of them")
             self.offload_optimizer = self.offload_optimizer or OffloadOptimizerConfig(device="cpu")
+        if self.offload_memory_limit != int(self.offload_memory_limit) or self.offload_memory_limit < 0:
+            raise DSCompileConfigError(f"{path}.offload_memory_limit", f"must be a whole number of bytes >= 0, got {self.offload_memory_limit}")
+        self.offload_memory_limit = int(self.offload_memory_limit)
+        if self.offload_memory_limit > 0 and (self.offload_optimizer is None or not self.offload_optimizer.enabled):
+            raise DSCompileConfigError(
+                f"{path}.offload_memory_limit",
+                "caps the model states kept on the device by offloading optimizer states, but offload_optimizer.device is none",
+                'say where states may go: "offload_optimizer": {"device": "cpu"} or {"device": "nvme", "nvme_path": ...}',
+            )
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             raise DSCompileConfigError(
                 f"{path}.offload_optimizer", "offloads ZeRO's partitioned optimizer states, and ZeRO is off (stage 0)", "set stage to 1, 2 or 3"

@@ -35,7 +35,9 @@ STEPS = 10
 TILE = 300  # elements per NVMe tile: the small test model spans many tiles, and pieces of parameters
 
 
-def _engine(stage: int, offload: dict[str, Any] | None, precision: str = "fp32", lower: str = "eager", extra: dict | None = None) -> tuple[Any, Any]:
+def _engine(
+    stage: int, offload: dict[str, Any] | None, precision: str = "fp32", lower: str = "eager", extra: dict | None = None, memory: bool = False
+) -> tuple[Any, Any]:
     torch.manual_seed(0)
     case = _case("gpt")
     zero = {"sub_group_size": TILE, **(extra or {})}
@@ -45,6 +47,8 @@ def _engine(stage: int, offload: dict[str, Any] | None, precision: str = "fp32",
     config["lower"] = lower
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if memory:
+        config["memory_breakdown"] = True
     engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
     return engine, case
 
@@ -205,7 +209,10 @@ print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1
 
 
 def _rss_run(offload: dict[str, Any] | None) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, json.dumps(offload)], capture_output=True, text=True, timeout=300, check=True)
+    # Both runs with a fixed mmap threshold: glibc then returns every freed block over 64 KiB to the system at
+    # once, so resident memory measures what the process holds rather than what the C allocator caches.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, json.dumps(offload)], capture_output=True, text=True, timeout=300, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -384,3 +391,80 @@ def test_legacy_spellings_and_aio() -> None:
     config["aio"] = {"use_gds": True}
     with pytest.raises(DSCompileError, match="aio.use_gds"):
         dscompile.initialize(model=case.model, config=config)
+
+
+# -- the planner -------------------------------------------------------------------------------------------
+def planner_rank(rank: int, world: int, stage: int, nvme_root: str) -> dict[str, Any]:
+    """No limit, a limit that fits everything, and one half-way between parameters+gradients and all model states."""
+
+    def run(limit: int | None) -> tuple[Any, dict[str, Any]]:
+        offload = None if limit is None else {"device": "nvme", "nvme_path": nvme_root}
+        engine, case = _engine(stage, offload, extra={"offload_memory_limit": limit or 0}, memory=True)
+        losses = _train(engine, case, rank, 4)
+        peak = max(snapshot["model_state_bytes"] for snapshot in engine.step_memory().values())
+        return engine, {"losses": losses, "params": engine.full_parameters(), "states": _states(engine), "peak": peak}
+
+    base_engine, base = run(None)
+    roomy_engine, roomy = run(base["peak"])
+    roomy_plan = roomy_engine.extension("zero_offload").plan
+    limit = roomy_plan.fixed_bytes + (base["peak"] - roomy_plan.fixed_bytes) // 2
+    tight_engine, tight = run(limit)
+    plan = tight_engine.extension("zero_offload").plan
+    return {
+        "base": base,
+        "roomy": roomy,
+        "tight": tight,
+        "limit": limit,
+        "roomy_wrapped": type(roomy_engine.optimizer).__name__,
+        "roomy_offloaded": roomy_plan.offloaded_names,
+        "roomy_predicted": roomy_plan.device_bytes,
+        "predicted": plan.device_bytes,
+        "excess": plan.fixed_bytes + sum(r.state_bytes for r in plan.rows) - limit,
+        "offloaded_rows": [r.state_bytes for r in plan.rows if r.placement != "device"],
+        "table": plan.table(),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_planner_offloads_only_what_does_not_fit(tmp_path: Path) -> None:
+    results = run_distributed_or_fail(planner_rank, 2, 3, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        # A limit that holds every model state: nothing is offloaded, the optimizer is not even wrapped.
+        assert r["roomy_offloaded"] == [] and r["roomy_wrapped"] == "AdamW"
+        assert r["roomy_predicted"] == r["base"]["peak"]
+        # Half-way: just enough (in parameter order) to fit, the measured peak of model states under the limit.
+        rows = r["offloaded_rows"]
+        assert sum(rows) >= r["excess"] > sum(rows) - rows[-1]
+        assert r["tight"]["peak"] == r["predicted"] <= r["limit"] < r["base"]["peak"]
+        assert "nvme" in r["table"] and "device" in r["table"]
+        for name in ("roomy", "tight"):
+            _assert_bitwise(r["base"], r[name], f"rank {rank} planner {name}")
+
+
+def test_limit_needs_an_offload_device() -> None:
+    with pytest.raises(DSCompileConfigError, match="offload_memory_limit"):
+        load_config({"zero_optimization": {"stage": 2, "offload_memory_limit": 1 << 20}})
+
+
+def test_cli_plan_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dscompile.cli import main
+
+    config = tmp_path / "ds.json"
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}))
+    assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config), "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-2, world 2" in out and "nvme" in out and "predicted model states per rank" in out
+    rows = [line for line in out.splitlines() if " nvme " in line]
+    assert rows and all(int(line.split()[1]) % 8 == 0 for line in rows)  # Adam: 8 bytes of state per shard element
+    # A limit that holds every model state: nothing offloaded.
+    zero["offload_memory_limit"] = 1 << 40
+    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}))
+    assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert " nvme " not in out and "optimizer states offloaded 0.00 MiB" in out
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config)]) == 2
+    assert "nothing to plan" in capsys.readouterr().err

@@ -117,7 +117,14 @@ def _state_slots(cls: type[torch.optim.Optimizer], group: dict[str, Any], dtype:
 class OffloadedOptimizer(torch.optim.Optimizer):
     """The sharded optimizer with its offloaded part stepped on the host (see the module docstring)."""
 
-    def __init__(self, sharded: torch.optim.Optimizer, shards: list[nn.Parameter], settings: OffloadSettings, rank: int = 0) -> None:
+    def __init__(
+        self,
+        sharded: torch.optim.Optimizer,
+        shards: list[nn.Parameter],
+        settings: OffloadSettings,
+        rank: int = 0,
+        chosen: list[nn.Parameter] | None = None,
+    ) -> None:
         if sharded.state:
             raise DSCompileConfigError("optimizer", "already holds state; offload must take it over before the first step", "build the engine before training")
         self.cls = type(sharded)
@@ -130,13 +137,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         known = {id(s) for s in shards}
         if any(id(p) not in known for p in self.shards):
             raise DSCompileConfigError("zero_optimization.offload_optimizer", "the optimizer steps tensors that are not ZeRO shards")
-        # Which shards are offloaded: the first `ratio` of the elements, in parameter order.
+        # Which shards are offloaded: the planner's choice, else the first `ratio` of the elements in parameter order.
         total = sum(p.numel() for p in self.shards)
         budget, taken = settings.ratio * total, 0
+        picked = {id(p) for p in chosen} if chosen is not None else None
         self.offloaded: list[int] = []
         self.on_device: list[int] = []
         for i, p in enumerate(self.shards):
-            if taken + p.numel() <= budget + 1e-9 or settings.ratio >= 1.0:
+            if (id(p) in picked) if picked is not None else (taken + p.numel() <= budget + 1e-9 or settings.ratio >= 1.0):
                 self.offloaded.append(i)
                 taken += p.numel()
             else:
@@ -168,6 +176,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._host_group_params = [list(g["params"]) for g in self.host_opt.param_groups] if self.host_opt else []
         for i in self.offloaded:
             self._versions[i] = self.shards[i]._version
+        self._publish_states()
+
+    def _publish_states(self) -> None:
+        """``self.state``: the states held in memory, by shard (device ones; host ones for cpu offload), for memory accounting."""
+        self.state.clear()
+        if self.device_opt is not None:
+            for i in self.on_device:
+                if self.shards[i] in self.device_opt.state:
+                    self.state[self.shards[i]] = self.device_opt.state[self.shards[i]]
+        if self.host_opt is not None and self.swap is None:
+            for piece in self.pieces:
+                if piece.master in self.host_opt.state:
+                    self.state[self.shards[piece.shard]] = self.host_opt.state[piece.master]
 
     # -- construction ----------------------------------------------------------------------------
     def _init_cpu(self, group_of: dict[int, int]) -> None:
@@ -274,6 +295,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.host_step_seconds += time.perf_counter() - start
             for i in self.offloaded:
                 self._versions[i] = self.shards[i]._version
+        self._publish_states()
         return loss
 
     def _stale(self, piece: _Piece) -> bool:
@@ -459,6 +481,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                         k: v.to(shard.device).clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in states[i].items()
                     }
         if self.host_opt is None:
+            self._publish_states()
             return
         if self.swap is None:
             for piece in self.pieces:
@@ -471,6 +494,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._load_nvme(states)
         for i in self.offloaded:
             self._versions[i] = self.shards[i]._version
+        self._publish_states()
 
     def _load_nvme(self, states: dict[int, dict[str, Any]]) -> None:
         assert self.swap is not None and self.host_opt is not None
@@ -520,6 +544,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return sum(t.nbytes for t in self.tiles)
 
 
+def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of element-wise optimizer state per fp32 parameter element (8 for Adam), from one probe step."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else dict(optimizer.defaults)
+    return sum(torch.empty((), dtype=dtype).element_size() for _, dtype in _state_slots(type(optimizer), group, torch.float32))
+
+
 def host_threads_from_fraction(fraction: float | None) -> int | None:
     """``cpuadam_cores_perc`` as a thread count for the host step (None: leave torch's setting)."""
     if fraction is None:
@@ -527,4 +557,4 @@ def host_threads_from_fraction(fraction: float | None) -> int | None:
     return max(1, int(round(fraction * (os.cpu_count() or 1))))
 
 
-__all__ = ["ALIGN", "OffloadSettings", "OffloadedOptimizer", "host_threads_from_fraction"]
+__all__ = ["ALIGN", "OffloadSettings", "OffloadedOptimizer", "host_threads_from_fraction", "state_bytes_per_element"]

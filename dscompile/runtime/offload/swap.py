@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -42,11 +44,21 @@ def align_up(nbytes: int, alignment: int = ALIGN) -> int:
 
 
 def aligned_buffer(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
-    """``nbytes`` of uint8 host memory starting at an ``ALIGN``-byte boundary (pinned when asked and CUDA exists)."""
-    pin = pin_memory and torch.cuda.is_available()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    start = (-raw.data_ptr()) % ALIGN
-    return raw[start : start + nbytes]
+    """``nbytes`` of uint8 host memory starting at an ``ALIGN``-byte boundary (pinned when asked and CUDA exists).
+
+    Unpinned buffers are anonymous memory maps: page-aligned, and handed back to the system as soon as
+    the last view of them dies (the C allocator would keep freed swap buffers resident, and keeping
+    swapped-out states out of RAM is the point).
+    """
+    if pin_memory and torch.cuda.is_available():
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+        start = (-raw.data_ptr()) % ALIGN
+        return raw[start : start + nbytes]
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": an anonymous map is writable
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _explain(exc: OSError, path: Path, doing: str) -> SwapError:
