@@ -33,10 +33,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dscompile.config import parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
 from dscompile.graph import ds_meta, node_value, set_fake_value
+from dscompile.passes.offload import OffloadOptimizerConfig
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 from dscompile.runtime import zero_ops
 from dscompile.runtime.engine_core import register_engine_extension
-from dscompile.passes.offload import OffloadOptimizerConfig
 
 log = logging.getLogger("dscompile.passes.zero")
 

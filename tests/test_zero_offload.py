@@ -33,18 +33,28 @@ from dscompile.testing.distributed import requires_backend, run_distributed_or_f
 
 STEPS = 10
 TILE = 300  # elements per NVMe tile: the small test model spans many tiles, and pieces of parameters
+CLIP = 0.05  # gradient clipping on: the offloaded step must read the clipped gradients
 
 
 def _engine(
-    stage: int, offload: dict[str, Any] | None, precision: str = "fp32", lower: str = "eager", extra: dict | None = None, memory: bool = False
+    stage: int,
+    offload: dict[str, Any] | None,
+    precision: str = "fp32",
+    lower: str = "eager",
+    extra: dict | None = None,
+    memory: bool = False,
+    clip: float = 0.0,
+    schedule: bool = False,
 ) -> tuple[Any, Any]:
     torch.manual_seed(0)
     case = _case("gpt")
     zero = {"sub_group_size": TILE, **(extra or {})}
     if offload is not None:
         zero["offload_optimizer"] = offload
-    config = _config(stage, 1, 0.0, zero)
+    config = _config(stage, 1, clip, zero)
     config["lower"] = lower
+    if schedule:  # the learning rate changes every step: the host optimizer must follow it
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if memory:
@@ -74,12 +84,14 @@ def offload_matrix_rank(rank: int, world: int, stage: int, precision: str, nvme_
         "none": None,
         "cpu": {"device": "cpu", "pin_memory": True},
         "nvme": {"device": "nvme", "nvme_path": os.path.join(nvme_root, "all")},
-        "nvme_half": {"device": "nvme", "nvme_path": os.path.join(nvme_root, "half"), "ratio": 0.5, "buffer_count": 1, "pipeline_read": False, "fast_init": True},
+        "nvme_half": {
+            "device": "nvme", "nvme_path": os.path.join(nvme_root, "half"), "ratio": 0.5, "buffer_count": 1, "pipeline_read": False, "fast_init": True,
+        },
     }
     for name, offload in variants.items():
         if offload is not None and offload["device"] == "nvme":
             os.makedirs(offload["nvme_path"], exist_ok=True)
-        engine, case = _engine(stage, offload, precision, lower)
+        engine, case = _engine(stage, offload, precision, lower, clip=CLIP)
         losses = _train(engine, case, rank, STEPS)
         entry: dict[str, Any] = {"losses": losses, "params": engine.full_parameters(), "states": _states(engine)}
         ext = engine.extension("zero_offload")
@@ -129,7 +141,7 @@ def test_offload_is_bitwise_lossless(tmp_path: Path, stage: int, precision: str)
         half = runs["nvme_half"]["counters"]
         assert 0 < half["offloaded_elements"] <= 0.5 * runs["nvme_half"]["partition_elements"] < half["offloaded_elements"] + half["device_elements"]
     if precision == "fp32" and stage == 3:
-        reference = reference_run("gpt", 2, 1, 0.0, steps=STEPS)  # plain single-process PyTorch over both ranks' batches
+        reference = reference_run("gpt", 2, 1, CLIP, steps=STEPS)  # plain single-process PyTorch over both ranks' batches
         mean = [(a + b) / 2 for a, b in zip(results[0]["nvme"]["losses"], results[1]["nvme"]["losses"], strict=True)]
         torch.testing.assert_close(torch.tensor(mean), torch.tensor(reference["losses"]), rtol=1e-6, atol=1e-7)
         for name, value in reference["params"].items():
@@ -150,17 +162,17 @@ def test_offload_under_inductor(tmp_path: Path) -> None:
 # -- checkpoints -------------------------------------------------------------------------------------
 def checkpoint_rank(rank: int, world: int, stage: int, nvme_root: str, save_dir: str) -> dict[str, Any]:
     nvme = {"device": "nvme", "nvme_path": nvme_root}
-    engine, case = _engine(stage, nvme)
+    engine, case = _engine(stage, nvme, schedule=True)
     _train(engine, case, rank, 3)
     engine.save_checkpoint(save_dir, tag="step3")
     after = _train(engine, case, rank, 4)
-    final = {"losses": after, "params": engine.full_parameters(), "states": _states(engine)}
+    final = {"losses": after, "params": engine.full_parameters(), "states": _states(engine), "lr": engine.get_lr()}
     del engine
-    resumed, case = _engine(stage, nvme)  # a fresh engine over the same swap directory: its files are rewritten at start
+    resumed, case = _engine(stage, nvme, schedule=True)  # a fresh engine over the same swap directory: its files are rewritten at start
     _train(resumed, case, rank, 1)  # states that the checkpoint must replace
     resumed.load_checkpoint(save_dir, tag="step3")
-    again = {"losses": _train(resumed, case, rank, 4), "params": resumed.full_parameters(), "states": _states(resumed)}
-    plain, case = _engine(stage, None)  # the same checkpoint into an engine without offload: same layout
+    again = {"losses": _train(resumed, case, rank, 4), "params": resumed.full_parameters(), "states": _states(resumed), "lr": resumed.get_lr()}
+    plain, case = _engine(stage, None, schedule=True)  # the same checkpoint into an engine without offload: same layout
     plain.load_checkpoint(save_dir, tag="step3")
     other = {"losses": _train(plain, case, rank, 4), "params": plain.full_parameters(), "states": _states(plain)}
     return {"final": final, "again": again, "plain": other}
@@ -175,6 +187,7 @@ def test_nvme_offload_checkpoint_resumes_bit_exact(tmp_path: Path, stage: int) -
     results = run_distributed_or_fail(checkpoint_rank, 2, stage, str(tmp_path / "nvme"), str(tmp_path / "ckpt"), timeout=300)
     for rank, r in enumerate(results):
         _assert_bitwise(r["final"], r["again"], f"rank {rank} resumed with nvme offload")
+        assert r["final"]["lr"] == r["again"]["lr"]
         _assert_bitwise(r["final"], r["plain"], f"rank {rank} resumed without offload")
 
 
@@ -399,7 +412,7 @@ def planner_rank(rank: int, world: int, stage: int, nvme_root: str) -> dict[str,
 
     def run(limit: int | None) -> tuple[Any, dict[str, Any]]:
         offload = None if limit is None else {"device": "nvme", "nvme_path": nvme_root}
-        engine, case = _engine(stage, offload, extra={"offload_memory_limit": limit or 0}, memory=True)
+        engine, case = _engine(stage, offload, extra={"offload_memory_limit": limit or 0}, memory=True, schedule=True)
         losses = _train(engine, case, rank, 4)
         peak = max(snapshot["model_state_bytes"] for snapshot in engine.step_memory().values())
         return engine, {"losses": losses, "params": engine.full_parameters(), "states": _states(engine), "peak": peak}

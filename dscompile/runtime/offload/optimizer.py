@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.runtime.offload.swap import ALIGN, SwapDirectory, aligned_buffer, align_up
+from dscompile.runtime.offload.swap import ALIGN, SwapDirectory, align_up, aligned_buffer
 
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Group keys that pick an implementation, not a hyper-parameter: the host optimizer chooses its own."""
@@ -206,7 +206,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _init_nvme(self, group_of: dict[int, int], rank: int) -> None:
         s = self.settings
         if not s.nvme_path:
-            raise DSCompileConfigError("zero_optimization.offload_optimizer.nvme_path", "is required with device nvme", "set it to a directory on the fast disk")
+            raise DSCompileConfigError(
+                "zero_optimization.offload_optimizer.nvme_path", "is required with device nvme", "set it to a directory on the fast disk"
+            )
         self.swap = SwapDirectory(s.nvme_path, rank, block_size=s.block_size, threads=s.io_threads)
         tile_elements = max(1, int(s.tile_elements))
         current: list[_Piece] = []
@@ -384,7 +386,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     state[name] = self._segment(buf, tile, k, j, dtype)
             grad = shard.grad
             piece.master.grad = None if grad is None else grad.detach().reshape(-1)[piece.start : piece.stop].to("cpu")
-        for g, params in enumerate(self._host_group_params):
+        for g in range(len(self._host_group_params)):
             self.host_opt.param_groups[g]["params"] = [p.master for p in tile.pieces if p.group == g]
         try:
             self.host_opt.step()
