@@ -26,8 +26,8 @@ How each key is used:
 - ``zero_optimization.sub_group_size``: the NVMe tile, in elements (as in DeepSpeed's swapper).
 - ``zero_optimization.offload_memory_limit`` (dscompile's own; bytes of model states per rank, 0 = no
   limit): the planner (``dscompile/planner.py``) offloads only the optimizer states that do not fit
-  under it (none when everything fits), never more than ``ratio``; its plan table is logged at start
-  and printed by ``dscompile plan``.
+  under it (none when everything fits), never more than ``ratio``; its plan table is logged at start,
+  written to ``DUMP/offload_plan.txt`` when a dump directory is set, and printed by ``dscompile plan``.
 
 The top-level ``aio`` section tunes the swap I/O: ``block_size`` (bytes per read/write call),
 ``intra_op_parallelism`` / ``thread_count`` (I/O threads: the larger is used). ``queue_depth``,
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
@@ -129,6 +130,10 @@ class OptimizerOffload(EngineExtension):
         )
         if zero.rank == 0:
             log.info("%s", self.plan.table())
+            if engine.config.dump:  # beside the graphs: DUMP/offload_plan.txt
+                root = Path(engine.config.dump)
+                root.mkdir(parents=True, exist_ok=True)
+                (root / "offload_plan.txt").write_text(self.plan.table() + "\n")
         if not self.plan.offloaded_names:
             log.info("zero_optimization.offload_memory_limit: every model state fits on the device, nothing is offloaded")
             return

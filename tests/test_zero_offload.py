@@ -456,6 +456,18 @@ def test_planner_offloads_only_what_does_not_fit(tmp_path: Path) -> None:
             _assert_bitwise(r["base"], r[name], f"rank {rank} planner {name}")
 
 
+def test_plan_is_written_to_the_dump(tmp_path: Path) -> None:
+    engine, _ = _engine(2, {"device": "nvme", "nvme_path": str(tmp_path)}, extra={"offload_memory_limit": 1 << 40})
+    assert type(engine.optimizer).__name__ == "AdamW"  # everything fits: nothing offloaded, not even wrapped
+    dump = tmp_path / "dump"
+    torch.manual_seed(0)
+    case = _case("gpt")
+    config = _config(2, 1, 0.0, {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}, dump=str(dump))
+    dscompile.initialize(model=case.model, config=config)
+    table = (dump / "offload_plan.txt").read_text()
+    assert "offload plan: ZeRO-2, world 1" in table and "wte.weight" in table and " nvme " in table
+
+
 def test_limit_needs_an_offload_device() -> None:
     with pytest.raises(DSCompileConfigError, match="offload_memory_limit"):
         load_config({"zero_optimization": {"stage": 2, "offload_memory_limit": 1 << 20}})
