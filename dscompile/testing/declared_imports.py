@@ -24,7 +24,19 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 
-PACKAGES = ("dscompile", "dscompile.runtime", "dscompile.testing", "dscompile.zoo", "dscompile.passes", "dscompile.backends", "dscompile.kernels")
+PACKAGES = (
+    "dscompile",
+    "dscompile.runtime",
+    "dscompile.runtime.onebit",
+    "dscompile.runtime.compression",
+    "dscompile.runtime.offload",
+    "dscompile.moe",
+    "dscompile.testing",
+    "dscompile.zoo",
+    "dscompile.passes",
+    "dscompile.backends",
+    "dscompile.kernels",
+)
 
 
 def _requirement_names(dist: metadata.Distribution) -> list[str]:
