@@ -8,8 +8,10 @@ this class is that optimizer, so the engine, LR schedulers and checkpoints see t
   offloaded: a host optimizer of the user's class and hyper-parameters steps fp32 master copies of
   them, the rest is stepped in place on the device by a device optimizer of the same class;
 - ``device: cpu``: masters and states stay in host memory (pinned when ``pin_memory`` and CUDA
-  exists). Gradients are copied device→host, the host steps, parameters are copied back. Where the
-  shard already lives in host memory (a CPU-only run) the shard is its own master: nothing is copied;
+  exists). Gradients are copied device→host into a host buffer, the host steps, parameters are copied
+  back. Where the shard already lives in host memory as fp32 (a CPU-only run) it is its own master:
+  nothing is copied. Masters are fp32 whatever the shard's dtype (DeepSpeed's fp32 master weights;
+  dscompile's shards are fp32 already under ``bf16``/``fp16``, the graphs cast);
 - ``device: nvme``: the offloaded elements are cut into tiles of ``sub_group_size`` elements; each tile
   is one file under ``nvme_path/rank_N`` holding its masters and every element-wise optimizer state.
   The step reads tile t+1 while stepping tile t and writes tile t back while stepping t+1
@@ -60,6 +62,7 @@ class OffloadSettings:
     block_size: int = 1 << 20
     io_threads: int = 1
     host_threads: int | None = None
+    separate_master: bool = False  # cpu: a host master copy even where the shard is already on the host (what an accelerator run does)
 
 
 @dataclass
@@ -193,14 +196,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # -- construction ----------------------------------------------------------------------------
     def _init_cpu(self, group_of: dict[int, int]) -> None:
         pin = self.settings.pin_memory and torch.cuda.is_available()
+        self._host_grads: dict[int, torch.Tensor] = {}
         for i in self.offloaded:
             shard = self.shards[i]
-            if shard.device.type == "cpu":
-                master = shard  # the host is the device: the shard is its own master
+            if shard.device.type == "cpu" and shard.dtype == torch.float32 and not self.settings.separate_master:
+                master = shard  # the host is the device and the shard is fp32: it is its own master
             else:
                 master = nn.Parameter(torch.empty(shard.shape, dtype=torch.float32, pin_memory=pin))
                 with torch.no_grad():
                     master.copy_(shard.detach())
+                self._host_grads[i] = torch.empty(shard.shape, dtype=torch.float32, pin_memory=pin)  # reused every step
             self.pieces.append(_Piece(i, 0, shard.numel(), group_of[id(shard)], master, initialized=True))
 
     def _init_nvme(self, group_of: dict[int, int], rank: int) -> None:
@@ -312,7 +317,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 continue
             if self._stale(piece):
                 piece.master.copy_(shard.detach())
-            piece.master.grad = None if shard.grad is None else shard.grad.detach().to("cpu", non_blocking=piece.master.is_pinned())
+            if shard.grad is None:
+                piece.master.grad = None
+            else:
+                host_grad = self._host_grads[piece.shard]
+                host_grad.copy_(shard.grad.detach(), non_blocking=host_grad.is_pinned())
+                piece.master.grad = host_grad
             copies.append(piece)
         if copies and torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -385,7 +395,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for k, (name, dtype) in enumerate(self.slots[piece.group], start=1):
                     state[name] = self._segment(buf, tile, k, j, dtype)
             grad = shard.grad
-            piece.master.grad = None if grad is None else grad.detach().reshape(-1)[piece.start : piece.stop].to("cpu")
+            piece.master.grad = None if grad is None else grad.detach().reshape(-1)[piece.start : piece.stop].to("cpu", torch.float32)
         for g in range(len(self._host_group_params)):
             self.host_opt.param_groups[g]["params"] = [p.master for p in tile.pieces if p.group == g]
         try:
