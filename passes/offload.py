@@ -30,7 +30,7 @@ How each key is used:
   written to ``DUMP/offload_plan.txt`` when a dump directory is set, and printed by ``dscompile plan``.
 
 The top-level ``aio`` section tunes the swap I/O: ``block_size`` (bytes per read/write call),
-``intra_op_parallelism`` / ``thread_count`` (I/O threads: the larger is used). ``queue_depth``,
+``intra_op_parallelism`` / ``thread_count`` (I/O threads: the larger is used; 4 when neither is set). ``queue_depth``,
 ``single_submit`` and ``overlap_events`` tune libaio submission, which is not used here (a thread pool
 issues whole-file reads and writes in chunks of ``block_size``, always overlapped with the step); they
 are accepted and have no effect. ``use_gds`` (GPUDirect Storage) is refused.
@@ -86,13 +86,18 @@ class OffloadOptimizerConfig:
         return self.device in ("cpu", "nvme")
 
 
+DEFAULT_IO_THREADS = 4
+"""I/O threads without an ``aio`` thread setting: one thread leaves the disk idle between calls (measured:
+a 25M-element AdamW swap step took half the time with 4 threads as with 1, on this machine's virtio disk)."""
+
+
 def aio_settings(config: Any) -> dict[str, Any]:
-    """The ``aio`` section's block size and I/O thread count (DeepSpeed's defaults where absent)."""
+    """The ``aio`` section's block size (DeepSpeed's 1 MiB default) and I/O thread count (``DEFAULT_IO_THREADS`` where unset)."""
     aio = getattr(config, "sections", {}).get("aio") or {}
     if aio.get("use_gds"):
         raise DSCompileNotSupportedError("aio.use_gds", "GPUDirect Storage")
-    threads = max(int(aio.get("intra_op_parallelism", 1) or 1), int(aio.get("thread_count", 1) or 1))
-    return {"block_size": int(aio.get("block_size", 1 << 20)), "io_threads": threads}
+    given = [int(aio[key]) for key in ("intra_op_parallelism", "thread_count") if aio.get(key)]
+    return {"block_size": int(aio.get("block_size", 1 << 20)), "io_threads": max(given) if given else DEFAULT_IO_THREADS}
 
 
 class OptimizerOffload(EngineExtension):
