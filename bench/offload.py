@@ -115,7 +115,7 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
     case = _case(args)
     params = sum(p.numel() for p in case.model.parameters())
     batches = _batches(case, rank, args["warmup"] + args["steps"])
-    nvme_dir = os.path.join(args["nvme_path"], peer)
+    nvme_dir = os.path.join(args["nvme_path"], f"{peer}-world{world}")
     os.makedirs(nvme_dir, exist_ok=True)
     step, swap_bytes = _build(peer, case, args, nvme_dir)
     losses = [step(batch) for batch in batches[: args["warmup"]]]

@@ -168,7 +168,10 @@ def checkpoint_rank(rank: int, world: int, stage: int, nvme_root: str, save_dir:
     after = _train(engine, case, rank, 4)
     final = {"losses": after, "params": engine.full_parameters(), "states": _states(engine), "lr": engine.get_lr()}
     del engine
+    (Path(nvme_root) / f"rank_{rank}" / "tile_99999.swp").write_bytes(b"an earlier run's tile")
     resumed, case = _engine(stage, nvme, schedule=True)  # a fresh engine over the same swap directory: its files are rewritten at start
+    assert not (Path(nvme_root) / f"rank_{rank}" / "tile_99999.swp").exists()
+    assert resumed.optimizer.swap_file_bytes() == resumed.optimizer.expected_swap_bytes()
     _train(resumed, case, rank, 1)  # states that the checkpoint must replace
     resumed.load_checkpoint(save_dir, tag="step3")
     again = {"losses": _train(resumed, case, rank, 4), "params": resumed.full_parameters(), "states": _states(resumed), "lr": resumed.get_lr()}

@@ -28,6 +28,7 @@ through its version counter and its master refreshed before the next step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections import deque
@@ -41,6 +42,8 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.offload.swap import ALIGN, SwapDirectory, align_up, aligned_buffer
+
+log = logging.getLogger("dscompile.offload")
 
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Group keys that pick an implementation, not a hyper-parameter: not copied onto the inner optimizers at each step."""
@@ -215,6 +218,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "zero_optimization.offload_optimizer.nvme_path", "is required with device nvme", "set it to a directory on the fast disk"
             )
         self.swap = SwapDirectory(s.nvme_path, rank, block_size=s.block_size, threads=s.io_threads)
+        stale = sorted(self.swap.root.glob("tile_*.swp"))
+        for path in stale:  # an earlier run's tiles: never read again (runs resume from checkpoints), only taking disk space
+            path.unlink(missing_ok=True)
+        if stale:
+            log.info("NVMe offload: removed %d swap file(s) of an earlier run from %s", len(stale), self.swap.root)
         tile_elements = max(1, int(s.tile_elements))
         current: list[_Piece] = []
         filled = 0
