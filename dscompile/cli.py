@@ -1,4 +1,4 @@
-"""The ``dscompile`` command: ``dump`` graphs pass by pass, list ``passes``, run the ``demo``, ``compress`` a model."""
+"""The ``dscompile`` command: ``dump`` graphs pass by pass, list ``passes``, run the ``demo``, ``compress`` a model, ``plan`` offload."""
 
 from __future__ import annotations
 
@@ -198,6 +198,47 @@ def cmd_compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the offload plan the engine would make for this model and config, before anything runs."""
+    import torch
+
+    from dscompile.config import load_config
+    from dscompile.planner import plan_optimizer_offload, zero_parameters
+    from dscompile.runtime.offload.optimizer import state_bytes_per_element
+    from dscompile.runtime.optimizers import build_optimizer
+
+    model, _ = _call_factory(load_target(args.target), args.target)
+    config = load_config(args.config)
+    zc = config.sections.get("zero_optimization")
+    if zc is None or zc.stage == 0 or zc.offload_optimizer is None or not zc.offload_optimizer.enabled:
+        raise CLIError(f"{args.config}: nothing to plan; set zero_optimization.stage (1-3) and zero_optimization.offload_optimizer.device (cpu or nvme)")
+    if args.world < 1:
+        raise CLIError(f"--world must be >= 1, got {args.world}")
+    named = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise CLIError(f"{args.target}: the model has no trainable parameters")
+    threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
+    params = zero_parameters(named, zc.stage, args.world, threshold, zc.stage3_model_persistence_threshold if zc.stage == 3 else None)
+    if config.optimizer is not None:
+        probe = torch.nn.Parameter(torch.zeros(1))
+        per_element = state_bytes_per_element(build_optimizer(config.optimizer, [probe]))
+    else:
+        per_element = 8
+        print("no optimizer section: planning for Adam's 8 bytes of state per element")
+    plan = plan_optimizer_offload(
+        params,
+        stage=zc.stage,
+        world=args.world,
+        device=zc.offload_optimizer.device,
+        state_bytes_per_element=per_element,
+        ratio=float(zc.offload_optimizer.ratio),
+        limit=int(zc.offload_memory_limit),
+        host_is_device=not torch.cuda.is_available(),
+    )
+    print(plan.table())
+    return 0
+
+
 def cmd_zero_to_fp32(args: argparse.Namespace) -> int:
     from dscompile.runtime.zero_checkpoint import main as zero_to_fp32
 
@@ -228,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--config", required=True, help="a ds_config.json with a compression_training section")
     compress.add_argument("--save", metavar="FILE", help="write the cleaned model's state_dict here")
     compress.set_defaults(func=cmd_compress)
+    plan = sub.add_parser("plan", help="print where each model state would live (device, host, NVMe) under a config's offload settings")
+    plan.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory returning (model, example_inputs)")
+    plan.add_argument("--config", required=True, help="a ds_config.json with zero_optimization.offload_optimizer")
+    plan.add_argument("--world", type=int, default=1, help="data-parallel ranks to plan for (default 1)")
+    plan.set_defaults(func=cmd_plan)
     z2f = sub.add_parser(
         "zero-to-fp32", help="consolidate a ZeRO checkpoint (dscompile's or DeepSpeed's) into one fp32 state_dict: CKPT OUT [--tag TAG]"
     )

@@ -130,7 +130,7 @@ _switched_section(
 
 
 # -- sections checked value by value ------------------------------------------------------------
-# Only NVMe offload reads these, and zero_optimization refuses it: there is nothing to switch on here.
+# Read by NVMe offload (passes/offload.py: block_size, intra_op_parallelism/thread_count; use_gds refused there).
 _checked_section(
     "aio",
     "asynchronous NVMe I/O",
@@ -291,7 +291,11 @@ for _key, _on, _capability in (
 ):
     _scalar(_key, _capability, _bool_refused_when(_on, _capability))
 _scalar("gradient_allreduce_op", "summed gradients", _check_allreduce_op)
-_scalar("zero_force_ds_cpu_optimizer", "ZeRO-Offload's CPU optimizer (only read with offload, which is refused)", _accepted_bool)
+_scalar(
+    "zero_force_ds_cpu_optimizer",
+    "ZeRO-Offload's CPU optimizer (the offloaded step always runs torch's CPU implementation of the configured optimizer)",
+    _accepted_bool,
+)
 _scalar("use_data_before_expert_parallelism", "expert parallelism (only read with MoE, which is refused)", _accepted_bool)
 _scalar("seq_parallel_communication_data_type", "sequence parallelism (only read by it, which is not built)", _check_sp_dtype)
 _scalar("sequence_parallel_size", "sequence parallelism", _check_sequence_parallel_size)

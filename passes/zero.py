@@ -33,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dscompile.config import parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
 from dscompile.graph import ds_meta, node_value, set_fake_value
+from dscompile.passes.offload import OffloadOptimizerConfig
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 from dscompile.runtime import zero_ops
 from dscompile.runtime.engine_core import register_engine_extension
@@ -58,12 +59,12 @@ class ZeroConfig:
     budget are planned again from the measurements, agreed across ranks, and the model recompiled
     once; the sizes above become upper bounds. 0 (the default) plans from the config alone, with no
     profiling steps (they run op by op, slower) and no second compile.
-    ``contiguous_gradients``, ``round_robin_gradients``, ``sub_group_size``,
+    ``contiguous_gradients``, ``round_robin_gradients``,
     ``stage3_max_reuse_distance``, ``memory_efficient_linear``, ``use_multi_rank_bucket_allreduce``,
     ``compute_grad_norm`` (dscompile computes the norm only to clip), ``legacy_stage1``,
     ``parameter_alignment``, ``stage3_module_granularity_threshold``, ``leaf_module``,
     ``stage3_use_all_reduce_for_fetch_params``, ``stage3_allgather_sequential``,
-    ``enable_sanity_checks``, ``log_trace_cache_warnings``, ``cpu_offload_use_pin_memory`` and
+    ``enable_sanity_checks``, ``log_trace_cache_warnings`` and
     ``save_muon_momentum_buffer_in_memory`` are accepted and change nothing here (they tune
     DeepSpeed's own buffers, hooks and logs; the maths is the same); ``reduce_scatter: false`` (an
     all-reduce instead) is logged and reduce-scattered all the same; ``elastic_checkpoint`` too:
@@ -76,7 +77,12 @@ class ZeroConfig:
     ``stage3_gather_16bit_weights_on_model_save`` (``engine.save_16bit_model`` gathers under ZeRO-3;
     ``stage3_gather_fp16_weights_on_model_save`` is its old name). ``load_from_fp32_weights: false``
     (rebuild master weights from 16-bit copies) is refused: checkpoints hold the fp32 shards.
-    Offload, ZeRO++, ZenFlow and MiCS are refused.
+    ``offload_optimizer`` (``passes/offload.py``: fp32 master shards and optimizer states on the host or
+    in NVMe swap files; ``cpu_offload: true`` and ``cpu_offload_use_pin_memory`` are its old spellings)
+    works with stages 1-3, and then ``sub_group_size`` is the NVMe swap tile in elements;
+    ``offload_memory_limit`` (dscompile's own, bytes per rank, 0 = none) lets the planner offload only
+    what does not fit.
+    ``offload_param``, ZeRO++, ZenFlow and MiCS are refused.
     """
 
     stage: int = 0
@@ -99,7 +105,7 @@ class ZeroConfig:
     round_robin_gradients: bool = False
     ignore_unused_parameters: bool = True
     memory_efficient_linear: bool = True
-    offload_optimizer: dict | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: dict | None = None
     cpu_offload: bool | None = False
     zero_hpz_partition_size: int = 1
@@ -125,6 +131,7 @@ class ZeroConfig:
     pipeline_loading_checkpoint: bool = unbuilt(False, "loading ZeRO-3 checkpoints in pipeline mode")
     unshard_budget: int | float = 0
     profile_steps: int = 0
+    offload_memory_limit: int | float = 0
 
     _SIZES = (
         "reduce_bucket_size",
@@ -150,16 +157,30 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, key) <= 0:
                 raise DSCompileConfigError(f"{path}.{key}", "must be positive")
-        for key in ("offload_optimizer", "offload_param"):
-            section = getattr(self, key)
-            for sub in section or {}:
-                if sub not in _OFFLOAD_KEYS[key]:
-                    hint = suggest(sub, _OFFLOAD_KEYS[key]) or f"valid keys: {', '.join(_OFFLOAD_KEYS[key])}"
-                    raise DSCompileConfigError(f"{path}.{key}.{sub}", "unknown key", hint)
-            if section is not None and section.get("device", "none") not in ("none", None):
-                raise DSCompileNotSupportedError(f"{path}.{key}", "ZeRO-Offload (CPU/NVMe offload)")
-        if self.cpu_offload:
-            raise DSCompileNotSupportedError(f"{path}.cpu_offload", "ZeRO-Offload (CPU/NVMe offload)")
+        key = "offload_param"
+        for sub in self.offload_param or {}:
+            if sub not in _OFFLOAD_PARAM_KEYS:
+                hint = suggest(sub, _OFFLOAD_PARAM_KEYS) or f"valid keys: {', '.join(_OFFLOAD_PARAM_KEYS)}"
+                raise DSCompileConfigError(f"{path}.{key}.{sub}", "unknown key", hint)
+        if self.offload_param is not None and self.offload_param.get("device", "none") not in ("none", None):
+            raise DSCompileNotSupportedError(f"{path}.{key}", "ZeRO-Infinity parameter offload (offload_param; offload_optimizer works)")
+        if self.cpu_offload:  # DeepSpeed's old spelling of offload_optimizer.device = cpu
+            if self.offload_optimizer is not None and self.offload_optimizer.device != "cpu":
+                raise DSCompileConfigError(f"{path}.cpu_offload", f"contradicts offload_optimizer.device={self.offload_optimizer.device}", "keep one of them")
+            self.offload_optimizer = self.offload_optimizer or OffloadOptimizerConfig(device="cpu")
+        if self.offload_memory_limit != int(self.offload_memory_limit) or self.offload_memory_limit < 0:
+            raise DSCompileConfigError(f"{path}.offload_memory_limit", f"must be a whole number of bytes >= 0, got {self.offload_memory_limit}")
+        self.offload_memory_limit = int(self.offload_memory_limit)
+        if self.offload_memory_limit > 0 and (self.offload_optimizer is None or not self.offload_optimizer.enabled):
+            raise DSCompileConfigError(
+                f"{path}.offload_memory_limit",
+                "caps the model states kept on the device by offloading optimizer states, but offload_optimizer.device is none",
+                'say where states may go: "offload_optimizer": {"device": "cpu"} or {"device": "nvme", "nvme_path": ...}',
+            )
+        if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
+            raise DSCompileConfigError(
+                f"{path}.offload_optimizer", "offloads ZeRO's partitioned optimizer states, and ZeRO is off (stage 0)", "set stage to 1, 2 or 3"
+            )
         if self.zero_hpz_partition_size > 1:
             raise DSCompileNotSupportedError(f"{path}.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning")
         for key in ("zero_quantized_weights", "zero_quantized_gradients"):
@@ -186,13 +207,8 @@ class ZeroConfig:
         return self.stage > 0
 
 
-# DeepSpeed 0.19's keys of the offload subsections (checked even while offload is off).
-_OFFLOAD_KEYS = {
-    "offload_param": ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"),
-    "offload_optimizer": (
-        "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc",
-    ),
-}
+# DeepSpeed 0.19's keys of ``offload_param`` (checked while it is off; switching it on is refused).
+_OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
 
 # DeepSpeed's field names, accepted beside the ``stage3_`` spellings its documentation uses.
 _STAGE3_ALIASES = {

@@ -30,10 +30,8 @@ SOURCES = ("dscompile", "passes", "backends", "kernels")
 ALLOWED_UNREAD: dict[tuple[str, str], str] = {
     ("ZeroConfig", "contiguous_gradients"): "DeepSpeed's contiguous gradient buffer: ZeRO-2/3 gradients here are the graph's own "
     "reduce-scatter outputs, already one buffer per bucket (same maths, documented in ZeroConfig)",
-    ("ZeroConfig", "round_robin_gradients"): "DeepSpeed's order of copying gradients to CPU-offload buffers; no offload here "
-    "(same maths, documented)",
-    ("ZeroConfig", "sub_group_size"): "DeepSpeed's optimizer-step tiling for offloaded ZeRO-3; the step here is one "
-    "optimizer.step over the shards (same maths, documented)",
+    ("ZeroConfig", "round_robin_gradients"): "DeepSpeed's order of copying gradients into its CPU-offload buffers; the offloaded "
+    "step here reads each shard's gradient in place (same maths, documented)",
     ("ZeroConfig", "stage3_max_reuse_distance"): "DeepSpeed's runtime cache of gathered parameters; the partitioner decides "
     "re-gathers from the graph (unshard_budget) (same maths, documented)",
     ("ZeroConfig", "memory_efficient_linear"): "DeepSpeed's custom linear autograd function for ZeRO-3; the compiled graph "
@@ -54,7 +52,6 @@ ALLOWED_UNREAD: dict[tuple[str, str], str] = {
     ("ZeroConfig", "log_trace_cache_warnings"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
     ("ZeroConfig", "enable_sanity_checks"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
     ("ZeroConfig", "save_muon_momentum_buffer_in_memory"): "tunes DeepSpeed's own buffers, hooks or logs; the maths is the same (documented in ZeroConfig)",
-    ("ZeroConfig", "cpu_offload_use_pin_memory"): "pinning for offload buffers; offload itself is refused, so there is nothing to pin (documented)",
     ("ZeroConfig", "leaf_module"): "DeepSpeed's ZeRO-3 leaf-module hooks; the compiled graph sees through modules (documented)",
     ("BF16Config", "immediate_grad_update"): "when DeepSpeed's bf16 optimizer copies gradients; the maths is the same (documented in BF16Config)",
     ("OptimizerConfig", "legacy_fusion"): "DeepSpeed's fp16 optimizer implementation switch; the maths is the same",

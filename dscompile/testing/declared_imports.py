@@ -29,6 +29,7 @@ PACKAGES = (
     "dscompile.runtime",
     "dscompile.runtime.onebit",
     "dscompile.runtime.compression",
+    "dscompile.runtime.offload",
     "dscompile.moe",
     "dscompile.testing",
     "dscompile.zoo",

@@ -1,0 +1,201 @@
+"""ZeRO-Offload / ZeRO-Infinity: step time and peak resident memory with the optimizer on the host or NVMe.
+
+A GPT-style model (default ~98M parameters), gloo ranks on CPU, world sizes 1 and 2, the same data
+and AdamW for every peer; each peer runs in its own spawn of ranks (so memory is its own):
+
+- ``dscompile-none`` / ``dscompile-cpu`` / ``dscompile-nvme``: ``dscompile.initialize`` with ZeRO
+  (``--stage``, default 2) and ``offload_optimizer.device`` none / cpu / nvme (swap files under
+  ``--nvme-path``, tiles of ``--tile`` elements, ``--buffers`` tile buffers).
+- ``fsdp2`` / ``fsdp2-cpuoffload``: ``fully_shard`` per block and the root, the second with
+  ``CPUOffloadPolicy`` (FSDP2's ZeRO-Offload peer).
+- ``deepspeed-cpu`` / ``deepspeed-nvme``: DeepSpeed's own offload, only where ``deepspeed`` imports
+  (not installed here: its rows then say so).
+
+On a CPU-only machine the host is the device, so ``cpu`` offload moves nothing (the shard is its own
+master) and is there for its step time; ``nvme`` is what frees memory. Step time is the median of
+the steady steps; peak memory the highest resident set size sampled every millisecond during them,
+minus the resident size before the model was built. Every process runs with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers go back to the system at once (resident memory then
+measures what a peer holds, not what glibc caches). Prints one table per world size with ratios to
+``dscompile-none``, and each peer's losses (offload must not change them).
+
+    python bench/offload.py [--d-model 768 --layers 12 --vocab 16384 --seq 128 --batch 2] [--worlds 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zero import PeakSampler, _batches, _case, _rss  # noqa: E402  (bench/zero.py: same model, data and sampler)
+
+PEERS = ["dscompile-none", "dscompile-cpu", "dscompile-nvme", "fsdp2", "fsdp2-cpuoffload", "deepspeed-cpu", "deepspeed-nvme"]
+LR = 1e-4
+
+
+def _adamw() -> dict[str, Any]:
+    return {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": True}}
+
+
+def _offload_section(device: str, args: dict[str, Any], rank_dir: str) -> dict[str, Any]:
+    if device == "none":
+        return {"device": "none"}
+    if device == "cpu":
+        return {"device": "cpu", "pin_memory": True}
+    return {"device": "nvme", "nvme_path": rank_dir, "buffer_count": args["buffers"]}
+
+
+def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[Any, Any]:
+    """Return (step(batch) -> loss, swap_bytes() -> int) for one peer."""
+    model = case.model
+    family, device = peer.split("-", 1) if "-" in peer else (peer, "none")
+    if family in ("dscompile", "deepspeed"):
+        zero = {"stage": args["stage"], "sub_group_size": args["tile"], "offload_optimizer": _offload_section(device, args, nvme_dir)}
+        config = {"train_micro_batch_size_per_gpu": args["batch"], "optimizer": _adamw(), "zero_optimization": zero}
+        if family == "dscompile":
+            import dscompile
+
+            config["lower"] = args["lower"]
+            engine, _, _, _ = dscompile.initialize(model=model, config=config)
+            extension = engine.extension("zero_offload")
+            swap = (lambda: engine.optimizer.swap_file_bytes()) if extension is not None and extension.optimizer is not None else (lambda: 0)
+        else:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            swap = lambda: sum(p.stat().st_size for p in Path(nvme_dir).rglob("*") if p.is_file())  # noqa: E731
+
+        def step(batch: tuple) -> float:
+            loss = engine(*batch)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+
+        return step, swap
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if device == "cpuoffload" else {}
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+    def fsdp_step(batch: tuple) -> float:
+        loss = model(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return fsdp_step, lambda: 0
+
+
+def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(args["threads"])
+    import dscompile  # noqa: F401  (libraries loaded before the baseline: their code is not model memory)
+
+    if peer.startswith("deepspeed"):
+        import deepspeed  # noqa: F401
+    baseline = _rss()
+    torch.manual_seed(0)
+    case = _case(args)
+    params = sum(p.numel() for p in case.model.parameters())
+    batches = _batches(case, rank, args["warmup"] + args["steps"])
+    nvme_dir = os.path.join(args["nvme_path"], f"{peer}-world{world}")
+    os.makedirs(nvme_dir, exist_ok=True)
+    step, swap_bytes = _build(peer, case, args, nvme_dir)
+    losses = [step(batch) for batch in batches[: args["warmup"]]]
+    times = []
+    with PeakSampler() as sampler:
+        for batch in batches[args["warmup"] :]:
+            dist.barrier()
+            start = time.perf_counter()
+            losses.append(step(batch))
+            times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times), "peak_bytes": sampler.peak - baseline, "losses": losses, "params": params, "swap_bytes": swap_bytes()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Offload benchmark: dscompile none/cpu/nvme vs FSDP2 (CPUOffloadPolicy) vs DeepSpeed")
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
+    parser.add_argument("--tile", type=int, default=1 << 21, help="NVMe tile (sub_group_size), elements")
+    parser.add_argument("--buffers", type=int, default=3, help="NVMe tile buffers (buffer_count)")
+    parser.add_argument("--nvme-path", default=None, help="swap directory (default: a new temporary directory)")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (compilation happens here)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--lower", default="inductor", choices=["eager", "inductor"], help="dscompile's lowering")
+    parser.add_argument("--worlds", default="1,2")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--timeout", type=float, default=1800)
+    opts = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc in every spawned rank
+    from dscompile.testing.distributed import DistributedRunError, run_distributed
+
+    nvme_path = opts.nvme_path or tempfile.mkdtemp(prefix="dscompile-offload-bench-")
+    args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
+            "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "stage": opts.stage, "tile": opts.tile, "buffers": opts.buffers,
+            "nvme_path": nvme_path, "threads": opts.threads}
+    for world in (int(w) for w in opts.worlds.split(",")):
+        results: dict[str, dict[str, Any]] = {}
+        for peer in opts.peers.split(","):
+            if peer.startswith("deepspeed"):
+                try:
+                    import deepspeed  # noqa: F401
+                except ImportError:
+                    print(f"world {world} {peer}: skipped: deepspeed is not installed (pip install deepspeed)", flush=True)
+                    continue
+            torch._dynamo.reset()
+            try:
+                ranks = run_distributed(peer_rank, world, peer, args, timeout=opts.timeout)
+            except DistributedRunError as exc:
+                print(f"world {world} {peer}: failed: {str(exc).splitlines()[0][:300]}", flush=True)
+                continue
+            results[peer] = {
+                "step_s": max(r["step_s"] for r in ranks),
+                "peak_bytes": max(r["peak_bytes"] for r in ranks),
+                "swap_bytes": max(r["swap_bytes"] for r in ranks),
+                "losses": [sum(v) / len(ranks) for v in zip(*(r["losses"] for r in ranks), strict=True)],
+                "params": ranks[0]["params"],
+            }
+            r = results[peer]
+            print(f"world {world} {peer}: {r['step_s'] * 1e3:.0f} ms/step, peak {r['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+        if not results:
+            continue
+        params = next(iter(results.values()))["params"]
+        print(f"\nGPT {params / 1e6:.1f}M params, world {world} gloo, ZeRO-{opts.stage}, batch {opts.batch}x{opts.seq}/rank, lowering {opts.lower}, "
+              f"NVMe tile {opts.tile} elements x {opts.buffers} buffers, swap under {nvme_path}")
+        base = results.get("dscompile-none")
+        header = f"{'peer':18} {'step ms':>9} {'vs none':>8} {'peak MiB':>9} {'vs none':>8} {'swap MiB/rank':>14}  losses"
+        print(header)
+        print("-" * len(header))
+        for peer, r in results.items():
+            t = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
+            m = f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] > 0 else "-"
+            losses = " ".join(f"{v:.4f}" for v in r["losses"])
+            print(f"{peer:18} {r['step_s'] * 1e3:9.0f} {t:>8} {r['peak_bytes'] / 2**20:9.0f} {m:>8} {r['swap_bytes'] / 2**20:14.0f}  {losses}")
+        print()
+
+
+if __name__ == "__main__":
+    main()

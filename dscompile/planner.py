@@ -1,0 +1,168 @@
+"""The placement planner: where each rank's model states live (device, host or NVMe), decided before the first step.
+
+Today it places ZeRO's optimizer states (``zero_optimization.offload_optimizer``). From the ZeRO
+layout (each parameter's elements, its shard, whether a full copy is kept) it predicts every rank's
+model-state bytes on the device (ZeRO's formula: parameters, gradients, fp32 shards, optimizer
+states) and, under ``zero_optimization.offload_memory_limit`` (bytes per rank, dscompile's own key;
+0 means no limit), offloads only the optimizer states that do not fit, in parameter order: with a
+limit that holds everything nothing is offloaded, below it just enough (DeepCompile's adaptive
+offload). Without a limit it offloads what the user asked (``ratio`` of the states). The plan prints
+as a table (``dscompile plan``, the engine's log): per parameter its bytes, where its states live and
+when they move, and the predicted peak of model states per device.
+
+What it does not model yet: activations and temporary buffers (the cost model's job), and
+parameter offload (``offload_param`` is refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class PlannedParameter:
+    """One ZeRO parameter as the planner sees it (elements, not bytes)."""
+
+    name: str
+    numel: int
+    shard_numel: int
+    full_copy: bool  # a full copy is kept on every rank (ZeRO-1/2, persistent ZeRO-3 parameters)
+
+
+@dataclass
+class PlanRow:
+    name: str
+    state_bytes: int
+    placement: str  # "device", "host" or "nvme"
+    moves: str
+
+
+@dataclass
+class OffloadPlan:
+    """Where each parameter's optimizer states live, and the predicted model-state bytes per rank."""
+
+    device: str  # what the user asked: "cpu" or "nvme"
+    stage: int
+    world: int
+    limit: int  # bytes per rank; 0: no limit
+    rows: list[PlanRow] = field(default_factory=list)
+    fixed_bytes: int = 0  # parameters, gradients and fp32 shards: stay on the device whatever is offloaded
+    host_is_device: bool = False  # a CPU-only run: "host" memory is the same memory as the device's
+
+    @property
+    def offloaded_names(self) -> list[str]:
+        return [r.name for r in self.rows if r.placement != "device"]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(r.state_bytes for r in self.rows if r.placement != "device")
+
+    @property
+    def device_bytes(self) -> int:
+        """Predicted model-state bytes per rank on the device after offload."""
+        kept = sum(r.state_bytes for r in self.rows if r.placement == "device" or (r.placement == "host" and self.host_is_device))
+        return self.fixed_bytes + kept
+
+    @property
+    def fits(self) -> bool:
+        return self.limit <= 0 or self.device_bytes <= self.limit
+
+    def ratio(self, shard_numels: dict[str, int]) -> float:
+        """The fraction of shard elements offloaded (what ``OffloadedOptimizer`` takes, in parameter order)."""
+        total = sum(shard_numels.values())
+        moved = sum(shard_numels[name] for name in self.offloaded_names)
+        return moved / total if total else 0.0
+
+    def table(self) -> str:
+        width = max([len("tensor")] + [len(r.name) for r in self.rows]) + 2
+        lines = [
+            f"offload plan: ZeRO-{self.stage}, world {self.world}, offload_optimizer.device={self.device}, "
+            f"limit {_mib(self.limit) if self.limit > 0 else 'none'} per rank",
+            f"{'tensor':<{width}}{'optimizer state bytes':>22}  {'placement':<10} when it moves",
+        ]
+        for r in self.rows:
+            lines.append(f"{r.name:<{width}}{r.state_bytes:>22}  {r.placement:<10} {r.moves}")
+        lines.append(
+            f"predicted model states per rank on the device: {_mib(self.device_bytes)} "
+            f"(parameters, gradients and fp32 shards {_mib(self.fixed_bytes)}; optimizer states offloaded {_mib(self.offloaded_bytes)})"
+        )
+        if self.host_is_device and any(r.placement == "host" for r in self.rows):
+            lines.append("note: the device is the host here (no accelerator), so host offload frees no memory; nvme does")
+        if not self.fits:
+            lines.append(f"WARNING: {_mib(self.device_bytes)} exceeds the limit {_mib(self.limit)} even with this plan")
+        return "\n".join(lines)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def fixed_model_state_bytes(params: list[PlannedParameter], stage: int) -> int:
+    """Bytes per rank that optimizer offload cannot move: parameters, gradients and fp32 shards (ZeRO's formula)."""
+    total = 0
+    for p in params:
+        full = FP32 * p.numel if p.full_copy else 0
+        grads = FP32 * (p.numel if stage == 1 else p.shard_numel)
+        total += full + grads + FP32 * p.shard_numel
+    return total
+
+
+def plan_optimizer_offload(
+    params: list[PlannedParameter],
+    stage: int,
+    world: int,
+    device: str,
+    state_bytes_per_element: int,
+    ratio: float = 1.0,
+    limit: int = 0,
+    host_is_device: bool = False,
+) -> OffloadPlan:
+    """Place each parameter's optimizer states (``state_bytes_per_element``: 8 for Adam) on the device or ``device``.
+
+    No limit: the first ``ratio`` of the shard elements are offloaded. A limit: only as many states as
+    needed to fit (never more than ``ratio``), in parameter order.
+    """
+    plan = OffloadPlan(device=device, stage=stage, world=world, limit=int(limit), host_is_device=host_is_device)
+    plan.fixed_bytes = fixed_model_state_bytes(params, stage)
+    sizes = [state_bytes_per_element * p.shard_numel for p in params]
+    total_elements = sum(p.shard_numel for p in params)
+    cap = ratio * total_elements  # at most the user's ratio
+    if limit > 0:
+        excess = plan.fixed_bytes + sum(sizes) - limit
+        if device == "cpu" and host_is_device:
+            excess = 0  # moving states to the host frees nothing when the host is the device: keep them where they are
+    else:
+        excess = None
+    moves = {
+        "cpu": "gradient device→host at the step; parameter host→device after it",
+        "nvme": "read ahead of its tile's step, written back after it (tile by tile)",
+    }[device]
+    placement = "host" if device == "cpu" else "nvme"
+    taken, saved = 0, 0
+    for p, nbytes in zip(params, sizes, strict=True):
+        wanted = (excess is None and taken + p.shard_numel <= cap + 1e-9) or (excess is not None and saved < excess and taken + p.shard_numel <= cap + 1e-9)
+        if wanted and p.shard_numel > 0:
+            taken += p.shard_numel
+            saved += nbytes
+            plan.rows.append(PlanRow(p.name, nbytes, placement, moves))
+        else:
+            plan.rows.append(PlanRow(p.name, nbytes, "device", "stays; stepped on the device"))
+    return plan
+
+
+def zero_parameters(
+    named_numels: list[tuple[str, int]], stage: int, world: int, persistence_threshold: int = 0, model_persistence_threshold: int | None = None
+) -> list[PlannedParameter]:
+    """The ZeRO layout the engine will build (``runtime/zero_shard.ZeroPartition``'s rules), without building it."""
+    params = []
+    kept = 0
+    for name, numel in named_numels:
+        full = stage < 3
+        if not full and numel <= persistence_threshold:
+            budget = model_persistence_threshold if model_persistence_threshold is not None else float("inf")
+            full = kept + numel <= budget
+            kept += numel if full else 0
+        params.append(PlannedParameter(name, numel, -(-numel // world) if numel else 0, full))
+    return params
