@@ -120,6 +120,14 @@ class OptimizerOffload(EngineExtension):
         if engine.optimizer is None:
             log.warning("zero_optimization.offload_optimizer: no optimizer, so there are no optimizer states to offload")
             return
+        from dscompile.runtime.onebit.base import CompressedCommOptimizer
+
+        if isinstance(engine.optimizer, CompressedCommOptimizer):
+            raise DSCompileConfigError(
+                "zero_optimization.offload_optimizer",
+                f"{type(engine.optimizer).__name__} communicates its own compressed momentum; offloading its states is not built",
+                "drop offload_optimizer, or use Adam/AdamW with offload",
+            )
         oc = self.zc.offload_optimizer
         zero = engine.zero
         shards = dict(zip((layout.name for layout in zero.layouts), zero.shards, strict=True))

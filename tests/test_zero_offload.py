@@ -546,3 +546,14 @@ def test_offloaded_optimizer_alone_matches_and_round_trips(tmp_path: Path, devic
     opt = again
     step(7)
     assert all(torch.equal(a, b) for a, b in zip(plain, mine, strict=True))
+
+
+def test_offload_refuses_a_one_bit_optimizer(tmp_path) -> None:
+    """1-bit optimizers exchange their momentum themselves: offloading their states is refused, not half-done."""
+    config = {
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+        "lower": "eager",
+    }
+    with pytest.raises(DSCompileConfigError, match="offload_optimizer"):
+        dscompile.initialize(model=torch.nn.Linear(4, 2), config=config)
