@@ -93,12 +93,16 @@ class DSCompileEngine(nn.Module, EngineCore):
         """Compile the model again under ``config`` (an extension re-planned, e.g. ZeRO profiling)."""
         self._compiled = self._compile(self.compile_target, config)
 
+    @property
+    def zero_module(self) -> ZeroModule | None:
+        """ZeRO-2/3's module over the shards (what is compiled), else None."""
+        return self.compile_target if isinstance(self.compile_target, ZeroModule) else None
+
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._hook("before_forward")
         with self.phase("forward"), self.gradients.failure_context(self.global_rank, "forward"):
-            zero_module = self.compile_target if isinstance(self.compile_target, ZeroModule) else None
-            out = run_agreeing(self._compiled, zero_module, args, kwargs)  # ranks whose ZeRO graphs differ: fall back
+            out = run_agreeing(self._compiled, self.zero_module, args, kwargs)  # ranks whose ZeRO graphs differ: fall back
         self._hook("after_forward")
         return out
 

@@ -27,11 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dscompile.errors import DSCompileConfigError, DSCompileError
-from dscompile.runtime.devices import collective_device
+from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, GradientStrategy, params_or_error
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure, model_state_tensors
 
@@ -96,10 +94,10 @@ class ZeroGradients(GradientStrategy):
 
     def reduce(self, engine: EngineCore) -> None:
         zero = self.partition
-        if not self.ignore_unused_parameters:
-            self._refuse_unused()
         if zero.stage != 1:
-            return  # ZeRO-2/3 reduce-scattered in the backward graphs
+            if not self.ignore_unused_parameters:
+                self._refuse_unused()
+            return  # ZeRO-2/3 reduce-scattered in the backward graphs; ZeRO-1's reduce below checks its agreed counts
         zero.comm_dtype = engine.communication_data_type
         itemsize = (engine.communication_data_type or zero.shards[0].dtype).itemsize
         nbytes = sum(layout.shard_numel * zero.world for layout in zero.layouts) * itemsize
@@ -107,18 +105,12 @@ class ZeroGradients(GradientStrategy):
             zero.reduce_gradients()  # ZeRO-1: the only gradient communication, once per batch
 
     def _refuse_unused(self) -> None:
+        """``ignore_unused_parameters: false``: every rank raises together, naming the parameters and on how many ranks."""
         zero = self.partition
-        holders = zero.full_params if zero.stage == 1 else zero.shards
-        missing = torch.tensor([1 if t.grad is None else 0 for t in holders], dtype=torch.int32, device=collective_device(like=holders[0] if holders else None))
-        if zero.world > 1:
-            dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=zero.group)  # every rank raises, none hangs
-        names = [layout.name for layout, flag in zip(zero.layouts, missing.tolist()) if flag]
-        if names:
-            raise DSCompileError(
-                f"ZeRO: parameter(s) {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} received no gradient in this batch "
-                "(on at least one rank) and zero_optimization.ignore_unused_parameters is false; use every parameter in forward, "
-                "freeze the unused ones (requires_grad=False), or set ignore_unused_parameters to true"
-            )
+        if zero.stage == 1:  # full gradients differ per rank: agree on the counts first
+            zero.check_unused(zero.gradient_counts([p.grad is not None for p in zero.full_params]))
+        else:  # shards' gradients come from graphs every rank runs alike
+            zero.check_unused()
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
         total = float(self.partition.grad_norm_squared().sqrt())
