@@ -262,7 +262,7 @@ def main() -> None:
     print("| model | variant | state_dict bytes | % of fp32 | eval loss | accuracy | eager ms/batch | compiled ms/batch |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['model']} | {r['variant']} | {r['bytes']:,} | {r['fraction']:.1%} | {r['metric']:.4f} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} |")
+        print(f"| {r['model']} | {r['variant']} | {r['bytes']:,} | {r['fraction']:.1%} | {r['metric'][0]:.4f} | {r['metric'][1]:.3f} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} |")
 
 
 if __name__ == "__main__":
