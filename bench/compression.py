@@ -262,7 +262,9 @@ def main() -> None:
     print("| model | variant | state_dict bytes | % of fp32 | eval loss | accuracy | eager ms/batch | compiled ms/batch |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['model']} | {r['variant']} | {r['bytes']:,} | {r['fraction']:.1%} | {r['metric'][0]:.4f} | {r['metric'][1]:.3f} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} |")
+        loss, accuracy = r["metric"]
+        cells = [r["model"], r["variant"], f"{r['bytes']:,}", f"{r['fraction']:.1%}", f"{loss:.4f}", f"{accuracy:.3f}", f"{r['eager_ms']:.2f}", f"{r['compiled_ms']:.2f}"]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
