@@ -161,6 +161,7 @@ class OptimizerOffload(EngineExtension):
             pipeline_write=oc.pipeline_write,
             preallocate_states=not oc.fast_init,
             host_threads=host_threads_from_fraction(oc.cpuadam_cores_perc),
+            verify_reads=bool(self.config.debug),
             **aio_settings(self.config),
         )
         chosen = [shards[name] for name in self.plan.offloaded_names]

@@ -355,6 +355,51 @@ def test_vanished_and_truncated_swap_files_name_the_file(tmp_path: Path) -> None
         _train(engine, case, 0, 1)
 
 
+def _flip_one_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_debug_mode_checks_swap_files_on_read_back(tmp_path: Path) -> None:
+    """Bytes changed on disk between a write and its read: debug mode names the file; without it the size check alone cannot see it."""
+    for verify in (True, False):
+        (tmp_path / str(verify)).mkdir()
+        swap = SwapDirectory(tmp_path / str(verify), rank=0, block_size=ALIGN, verify=verify)
+        try:
+            data = aligned_buffer(2 * ALIGN)
+            data.copy_(torch.randint(0, 255, (2 * ALIGN,), dtype=torch.uint8))
+            swap.wait(swap.write("x.swp", data))
+            back = aligned_buffer(2 * ALIGN)
+            swap.wait(swap.read("x.swp", back))  # untouched: reads back cleanly either way
+            assert torch.equal(back, data)
+            _flip_one_byte(swap.path("x.swp"), ALIGN + 7)
+            if verify:
+                with pytest.raises(SwapError, match=f"{swap.path('x.swp')} changed on disk.*CRC-32"):
+                    swap.wait(swap.read("x.swp", back))
+            else:
+                swap.wait(swap.read("x.swp", back))
+                assert not torch.equal(back, data)
+        finally:
+            swap.close()
+
+
+def test_debug_config_verifies_the_engines_swap_files(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    case = _case("gpt")
+    config = _config(1, 1, 0.0, {"sub_group_size": TILE, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}})
+    config.update(lower="eager", debug=True)
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
+    assert engine.optimizer.swap.verify
+    _train(engine, case, 0, 2)
+    victim = sorted((tmp_path / "rank_0").glob("tile_*.swp"))[0]
+    _flip_one_byte(victim, 100)
+    with pytest.raises(SwapError, match=f"{victim} changed on disk"):
+        _train(engine, case, 0, 1)
+
+
 @pytest.mark.parametrize("refuse_direct", [False, True])
 def test_swap_directory_roundtrip_direct_and_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_direct: bool) -> None:
     """Where the file system refuses O_DIRECT (EINVAL, as older tmpfs and some network file systems do), buffered I/O carries the same bytes."""

@@ -66,6 +66,7 @@ class OffloadSettings:
     io_threads: int = 1
     host_threads: int | None = None
     separate_master: bool = False  # cpu: a host master copy even where the shard is already on the host (what an accelerator run does)
+    verify_reads: bool = False  # debug mode: CRC-32 of every swap file checked on read-back
 
 
 @dataclass
@@ -217,7 +218,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise DSCompileConfigError(
                 "zero_optimization.offload_optimizer.nvme_path", "is required with device nvme", "set it to a directory on the fast disk"
             )
-        self.swap = SwapDirectory(s.nvme_path, rank, block_size=s.block_size, threads=s.io_threads)
+        self.swap = SwapDirectory(s.nvme_path, rank, block_size=s.block_size, threads=s.io_threads, verify=s.verify_reads)
         stale = sorted(self.swap.root.glob("tile_*.swp"))
         for path in stale:  # an earlier run's tiles: never read again (runs resume from checkpoints), only taking disk space
             path.unlink(missing_ok=True)

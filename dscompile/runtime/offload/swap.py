@@ -9,7 +9,9 @@ does not (tmpfs, some network file systems), plain buffered I/O is used and logg
 padded to ``ALIGN`` bytes.
 
 Every failure names the file: a missing or unwritable directory at start, a full disk (ENOSPC) on a
-write, a file that vanished or shrank on a read.
+write, a file that vanished or shrank on a read. In debug mode (``"debug": true`` in the config or
+``DSCOMPILE_DEBUG=1``) every file's CRC-32 is kept when it is written and checked when it is read back,
+so bytes changed on disk (another process, a bad device) fail loudly instead of training on them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -78,10 +81,13 @@ class SwapDirectory:
 
     ``block_size`` bytes go per system call (``aio.block_size``), ``threads`` calls run at once
     (``aio.intra_op_parallelism`` / ``thread_count``). ``read``/``write`` return futures; the
-    counters say how many bytes moved and how long callers waited for them.
+    counters say how many bytes moved and how long callers waited for them. ``verify`` keeps a CRC-32
+    of each file as written and checks it on every read (debug mode: it costs a pass over the bytes).
     """
 
-    def __init__(self, nvme_path: str | os.PathLike, rank: int, block_size: int = 1 << 20, threads: int = 1, direct: bool = True) -> None:
+    def __init__(
+        self, nvme_path: str | os.PathLike, rank: int, block_size: int = 1 << 20, threads: int = 1, direct: bool = True, verify: bool = False
+    ) -> None:
         base = Path(nvme_path)
         if not base.is_dir():
             raise SwapError(
@@ -105,6 +111,8 @@ class SwapDirectory:
         self.bytes_read = 0
         self.bytes_written = 0
         self.wait_seconds = 0.0
+        self.verify = verify
+        self._checksums: dict[str, list[tuple[int, int]]] = {}
 
     def _direct_works(self) -> bool:
         probe = self.root / ".direct_probe"
@@ -147,6 +155,8 @@ class SwapDirectory:
             raise _explain(exc, path, "writing") from exc
         with self._lock:
             self.bytes_written += view.nbytes
+            if self.verify:
+                self._checksums[name] = self._block_checksums(view)
 
     def _read(self, name: str, buffer: torch.Tensor) -> None:
         path = self.path(name)
@@ -169,8 +179,23 @@ class SwapDirectory:
                 os.close(fd)
         except OSError as exc:
             raise _explain(exc, path, "reading") from exc
+        if self.verify:
+            with self._lock:
+                written = self._checksums.get(name)
+            # A read may take a prefix of the file (masters only before the states exist): compare the blocks it covers whole.
+            got = self._block_checksums(view)
+            if written is not None and any(g != w for (g, w) in zip(got, written, strict=False) if g[0] == w[0]):
+                raise SwapError(
+                    f"NVMe offload: {path} changed on disk since it was written (CRC-32 mismatch on read-back): something else wrote "
+                    "to it or the device returned bad data; the offloaded optimizer states in it are lost (resume from a checkpoint)"
+                )
         with self._lock:
             self.bytes_read += view.nbytes
+
+    def _block_checksums(self, view: object) -> list[tuple[int, int]]:
+        """(length, CRC-32) of each ``block_size`` block, as the file is written and read: block by block from offset 0."""
+        data = memoryview(view).cast("B")  # type: ignore[arg-type]
+        return [(len(data[i : i + self.block_size]), zlib.crc32(data[i : i + self.block_size])) for i in range(0, len(data), self.block_size)]
 
     def write(self, name: str, buffer: torch.Tensor) -> Future[None]:
         """Write ``buffer`` (aligned uint8, a multiple of ``ALIGN`` bytes) as file ``name``, in the background."""
