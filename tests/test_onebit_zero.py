@@ -1,0 +1,118 @@
+"""OneBitAdam with ZeRO-1 and ZeRO-2 on real gloo ranks: the reduce-scatter goes 1-bit after the freeze, bucket by
+bucket as gradients become ready in backward; the warm-up equals the uncompressed ZeRO run bitwise, overlapping
+changes no bit, ZeRO-2 frees the full gradients, and the bytes per step reach the dump and the progress log."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dscompile
+from dscompile.dump import print_summaries
+from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.onebit.zero import OneBitZeroGradients
+from dscompile.testing.distributed import run_distributed_or_fail
+from dscompile.testing.onebit import Workload, bigram_batch, bigram_table, build_model
+
+pytestmark = pytest.mark.distributed
+
+WORK = Workload("onebitadam", steps=0, seq_len=16, d_model=16, n_layers=1, batch_size=4)
+FREEZE, STEPS = 3, 6
+ARGS = {"lr": 3e-3, "freeze_step": FREEZE}
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return bigram_batch(7 * step + 1000 * rank, WORK.batch_size, WORK.seq_len, bigram_table(0))
+
+
+def _config(optimizer: dict, stage: int, **extra) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 2000} if stage else {"stage": 0}  # several buckets: overlap has something to order
+    return {"train_micro_batch_size_per_gpu": WORK.batch_size, "optimizer": optimizer, "zero_optimization": zero, **extra}
+
+
+def _run(cfg: dict, rank: int, overlap: bool = True) -> dict:
+    torch.manual_seed(0)
+    engine, *_ = dscompile.initialize(model=build_model(WORK), config=cfg)
+    strategy = engine.gradients
+    if not overlap and isinstance(strategy, OneBitZeroGradients):
+        strategy.detach()  # every bucket at the boundary: the reference for "overlap changes nothing"
+    losses, logs, full_grads_after_backward, during = [], [], [], []
+    original = getattr(strategy, "_exchange", None)
+    if original is not None:
+
+        def spy(engine_, b, during_backward):
+            during.append(engine_.in_engine_backward)
+            return original(engine_, b, during_backward)
+
+        strategy._exchange = spy
+    for step in range(1, STEPS + 1):
+        loss = engine(*_batch(step, rank))
+        engine.backward(loss)
+        full_grads_after_backward.append(sum(p.grad is not None for p in engine.module.parameters()))
+        engine.step()
+        losses.append(loss.item())
+        logs.append(list(getattr(strategy, "exchange_log", [])))
+    return {
+        "losses": losses,
+        "params": torch.cat([v.reshape(-1) for v in engine.full_parameters().values()]),
+        "logs": logs,
+        "during": during,
+        "full_grads": full_grads_after_backward,
+        "stats": engine.communication_stats(),
+        "buckets": len(getattr(strategy, "buckets", [])),
+        "compiled": type(engine.compile_target).__name__,
+    }
+
+
+def _zero_rank(rank: int, world: int, dump: str) -> dict:
+    adamw = {"type": "AdamW", "params": {"lr": ARGS["lr"], "foreach": False}}
+    onebit = {"type": "OneBitAdam", "params": ARGS}
+    out = {"adamw2": _run(_config(adamw, 2), rank)}  # ZeRO-1's warm-up equals plain 1-bit Adam's: test_onebit_engine.py
+    for stage in (1, 2):
+        out[f"onebit{stage}"] = _run(_config(onebit, stage, dump=f"{dump}/stage{stage}", steps_per_print=1), rank)
+    out["onebit2_boundary"] = _run(_config(onebit, 2), rank, overlap=False)
+    return out
+
+
+@pytest.mark.slow
+def test_zero1_and_zero2_compress_their_reduce_scatter_during_backward(tmp_path):
+    ranks = run_distributed_or_fail(_zero_rank, 2, str(tmp_path), timeout=600)
+    for rank in ranks:
+        z1, z2, boundary = rank["onebit1"], rank["onebit2"], rank["onebit2_boundary"]
+        assert z2["compiled"] != "ZeroModule"  # stage 2 compiles the model without its in-graph reduce-scatters
+        # Warm-up: exact AdamW on ZeRO's fp32 reduce-scatter, bitwise the uncompressed ZeRO run (the loss of step FREEZE+1 too).
+        assert z2["losses"][: FREEZE + 1] == rank["adamw2"]["losses"][: FREEZE + 1]
+        # The 1-bit exchange is the same algorithm at both stages, and overlapping it with backward changes no bit.
+        assert z2["losses"] == z1["losses"]
+        assert torch.equal(z2["params"], z1["params"])
+        assert boundary["losses"] == z2["losses"] and torch.equal(boundary["params"], z2["params"])
+        assert z2["losses"][FREEZE + 1] != rank["adamw2"]["losses"][FREEZE + 1]  # the compressed step is not exact Adam
+        # Recorded order: with overlap every bucket is issued while engine.backward runs, last bucket first.
+        assert z2["buckets"] >= 3
+        assert z2["during"] and all(z2["during"]), z2["during"]
+        for log in z2["logs"]:
+            assert log == [(b, True) for b in reversed(range(z2["buckets"]))], log
+        assert not any(boundary["during"]) and all(log == [] or not log[0][1] for log in boundary["logs"])
+        assert all(n == 0 for n in z2["full_grads"])  # ZeRO-2: no full gradient outlives backward
+        stats = z2["stats"]
+        assert set(stats["onebit"]) == {"compressed_gradient.all_to_all"}
+        counters = stats["extensions"]["onebit"]
+        assert counters["steps_by_phase"] == {"full_precision": FREEZE, "compressed": STEPS - FREEZE}
+    assert torch.equal(ranks[0]["onebit2"]["params"], ranks[1]["onebit2"]["params"])
+    # Bytes per step in the dump directory (rank 0's file) and in `dscompile dump`'s summary.
+    dumped = json.loads((tmp_path / "stage2" / "communication_rank0.json").read_text())
+    assert len(dumped["steps"]) == STEPS
+    assert dumped["steps"][-1]["bytes_sent"] == ranks[0]["onebit2"]["stats"]["extensions"]["onebit"]["bytes_sent_last_step"]
+    assert dumped["steps"][-1]["phase"] == "compressed" and dumped["steps"][0]["phase"] == "full_precision"
+    # ZeRO's fp32 parameter all-gather after the step stays: only the reduce half is compressed (~2x fewer bytes per step)
+    assert dumped["steps"][0]["bytes_sent"] > 1.5 * dumped["steps"][-1]["bytes_sent"] > 0
+    summary = print_summaries(tmp_path / "stage2")
+    assert "bytes sent" in summary and str(dumped["steps"][-1]["bytes_sent"]) in summary
+
+
+def test_zero3_is_refused_with_the_fix():
+    with pytest.raises(DSCompileConfigError, match="zero_optimization.stage") as info:
+        dscompile.load_config(_config({"type": "OneBitAdam", "params": ARGS}, 3))
+    assert "stages 1 and 2" in str(info.value) and "set zero_optimization.stage to 2 or 1" in str(info.value)
