@@ -5,6 +5,7 @@ changes no bit, ZeRO-2 frees the full gradients, and the bytes per step reach th
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ import torch
 import dscompile
 from dscompile.dump import print_summaries
 from dscompile.errors import DSCompileConfigError
+from dscompile.kernels.onebit_reference import compress_reference, decompress_mean_reference
+from dscompile.runtime.onebit import zero as onebit_zero
+from dscompile.runtime.onebit.comm import reduce_scatter_chunk
 from dscompile.runtime.onebit.zero import OneBitZeroGradients
 from dscompile.testing.distributed import run_distributed_or_fail
 from dscompile.testing.onebit import Workload, bigram_batch, bigram_table, build_model
@@ -30,6 +34,46 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _config(optimizer: dict, stage: int, **extra) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 2000} if stage else {"stage": 0}  # several buckets: overlap has something to order
     return {"train_micro_batch_size_per_gpu": WORK.batch_size, "optimizer": optimizer, "zero_optimization": zero, **extra}
+
+
+def _recording_exchange(records: list) -> None:
+    """Record every 1-bit reduce-scatter of this process: its rows and worker error before, its result after."""
+    original = onebit_zero.compressed_reduce_scatter
+
+    def record(rows, error, block_size, comm, purpose, impl):
+        before = (rows.clone(), error.clone())
+        out = original(rows, error, block_size, comm, purpose, impl)
+        records.append({"rows": before[0], "error": before[1], "block_size": block_size, "out": out.clone()})
+        return out
+
+    onebit_zero.compressed_reduce_scatter = record
+
+
+def _simulate(per_rank: list[dict]) -> list[torch.Tensor]:
+    """The 1-bit reduce-scatter of one bucket written out for all ranks in one process with the reference kernels."""
+    world = len(per_rank)
+    row = per_rank[0]["rows"].shape[1]
+    chunk, block = reduce_scatter_chunk(row, per_rank[0]["block_size"])
+    k = chunk // block
+    sent = []
+    for rec in per_rank:
+        padded = torch.nn.functional.pad(rec["rows"], (0, chunk - row))
+        packed, scales, _ = compress_reference(padded.reshape(world * k, block), rec["error"].view(world * k, block))
+        sent.append((packed.view(world, k, block // 8), scales.view(world, k)))
+    means = []
+    for r in range(world):
+        mean = decompress_mean_reference(torch.stack([sent[s][0][r] for s in range(world)]), torch.stack([sent[s][1][r] for s in range(world)]))
+        means.append(mean.reshape(-1)[:row])
+    return means
+
+
+def _check_against_simulation(ranks: list[dict]) -> None:
+    records = [rank["records"] for rank in ranks]
+    assert records[0] and all(len(r) == len(records[0]) for r in records)
+    for i in range(len(records[0])):
+        expected = _simulate([r[i] for r in records])
+        for r in range(len(ranks)):
+            torch.testing.assert_close(records[r][i]["out"], expected[r], rtol=0, atol=1e-6)
 
 
 def _run(cfg: dict, rank: int, overlap: bool = True) -> dict:
@@ -72,7 +116,18 @@ def _zero_rank(rank: int, world: int, dump: str) -> dict:
     out = {"adamw2": _run(_config(adamw, 2), rank)}  # ZeRO-1's warm-up equals plain 1-bit Adam's: test_onebit_engine.py
     for stage in (1, 2):
         out[f"onebit{stage}"] = _run(_config(onebit, stage, dump=f"{dump}/stage{stage}", steps_per_print=1), rank)
+    records: list = []
+    _recording_exchange(records)
     out["onebit2_boundary"] = _run(_config(onebit, 2), rank, overlap=False)
+    out["records"] = records
+    return out
+
+
+def _four_rank(rank: int, world: int) -> dict:
+    records: list = []
+    _recording_exchange(records)
+    out = _run(_config({"type": "OneBitAdam", "params": ARGS}, 2), rank)
+    out["records"] = records
     return out
 
 
@@ -94,13 +149,18 @@ def test_zero1_and_zero2_compress_their_reduce_scatter_during_backward(tmp_path)
         assert z2["during"] and all(z2["during"]), z2["during"]
         for log in z2["logs"]:
             assert log == [(b, True) for b in reversed(range(z2["buckets"]))], log
-        assert not any(boundary["during"]) and all(log == [] or not log[0][1] for log in boundary["logs"])
+        assert (
+            not any(boundary["during"])
+            and len(rank["records"]) == (STEPS - FREEZE) * boundary["buckets"]
+            and all(log == [] or not log[0][1] for log in boundary["logs"])
+        )
         assert all(n == 0 for n in z2["full_grads"])  # ZeRO-2: no full gradient outlives backward
         stats = z2["stats"]
         assert set(stats["onebit"]) == {"compressed_gradient.all_to_all"}
         counters = stats["extensions"]["onebit"]
         assert counters["steps_by_phase"] == {"full_precision": FREEZE, "compressed": STEPS - FREEZE}
     assert torch.equal(ranks[0]["onebit2"]["params"], ranks[1]["onebit2"]["params"])
+    _check_against_simulation(ranks)  # every 1-bit reduce-scatter of the run, on both ranks, against the simulation
     # Bytes per step in the dump directory (rank 0's file) and in `dscompile dump`'s summary.
     dumped = json.loads((tmp_path / "stage2" / "communication_rank0.json").read_text())
     assert len(dumped["steps"]) == STEPS
@@ -110,6 +170,19 @@ def test_zero1_and_zero2_compress_their_reduce_scatter_during_backward(tmp_path)
     assert dumped["steps"][0]["bytes_sent"] > 1.5 * dumped["steps"][-1]["bytes_sent"] > 0
     summary = print_summaries(tmp_path / "stage2")
     assert "bytes sent" in summary and str(dumped["steps"][-1]["bytes_sent"]) in summary
+
+
+@pytest.mark.slow
+def test_zero2_on_four_ranks_overlaps_and_matches_the_simulation():
+    ranks = run_distributed_or_fail(_four_rank, 4, timeout=600)
+    _check_against_simulation(ranks)
+    for rank in ranks:
+        assert rank["during"] and all(rank["during"])  # every bucket exchanged while engine.backward ran
+        assert torch.equal(rank["params"], ranks[0]["params"]) and all(math.isfinite(x) for x in rank["losses"])  # replicas agree
+        assert all(n == 0 for n in rank["full_grads"])
+        assert rank["stats"]["extensions"]["onebit"]["steps_by_phase"] == {"full_precision": FREEZE, "compressed": STEPS - FREEZE}
+    # ranks see different data but agree on the model; the 1-bit steps do move it
+    assert len({tuple(rank["losses"]) for rank in ranks}) == 4
 
 
 def test_zero3_is_refused_with_the_fix():
