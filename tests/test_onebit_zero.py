@@ -12,7 +12,6 @@ import torch
 
 import dscompile
 from dscompile.dump import print_summaries
-from dscompile.errors import DSCompileConfigError
 from dscompile.kernels.onebit_reference import compress_reference, decompress_mean_reference
 from dscompile.runtime.onebit import zero as onebit_zero
 from dscompile.runtime.onebit.comm import reduce_scatter_chunk
@@ -23,7 +22,7 @@ from dscompile.testing.onebit import Workload, bigram_batch, bigram_table, build
 pytestmark = pytest.mark.distributed
 
 WORK = Workload("onebitadam", steps=0, seq_len=16, d_model=16, n_layers=1, batch_size=4)
-FREEZE, STEPS = 3, 6
+FREEZE, STEPS = 3, 5
 ARGS = {"lr": 3e-3, "freeze_step": FREEZE}
 
 
@@ -114,8 +113,7 @@ def _zero_rank(rank: int, world: int, dump: str) -> dict:
     adamw = {"type": "AdamW", "params": {"lr": ARGS["lr"], "foreach": False}}
     onebit = {"type": "OneBitAdam", "params": ARGS}
     out = {"adamw2": _run(_config(adamw, 2), rank)}  # ZeRO-1's warm-up equals plain 1-bit Adam's: test_onebit_engine.py
-    for stage in (1, 2):
-        out[f"onebit{stage}"] = _run(_config(onebit, stage, dump=f"{dump}/stage{stage}", steps_per_print=1), rank)
+    out["onebit2"] = _run(_config(onebit, 2, dump=f"{dump}/stage2", steps_per_print=1), rank)
     records: list = []
     _recording_exchange(records)
     out["onebit2_boundary"] = _run(_config(onebit, 2), rank, overlap=False)
@@ -135,13 +133,11 @@ def _four_rank(rank: int, world: int) -> dict:
 def test_zero1_and_zero2_compress_their_reduce_scatter_during_backward(tmp_path):
     ranks = run_distributed_or_fail(_zero_rank, 2, str(tmp_path), timeout=600)
     for rank in ranks:
-        z1, z2, boundary = rank["onebit1"], rank["onebit2"], rank["onebit2_boundary"]
+        z2, boundary = rank["onebit2"], rank["onebit2_boundary"]
         assert z2["compiled"] != "ZeroModule"  # stage 2 compiles the model without its in-graph reduce-scatters
         # Warm-up: exact AdamW on ZeRO's fp32 reduce-scatter, bitwise the uncompressed ZeRO run (the loss of step FREEZE+1 too).
         assert z2["losses"][: FREEZE + 1] == rank["adamw2"]["losses"][: FREEZE + 1]
-        # The 1-bit exchange is the same algorithm at both stages, and overlapping it with backward changes no bit.
-        assert z2["losses"] == z1["losses"]
-        assert torch.equal(z2["params"], z1["params"])
+        # Overlapping the exchange with backward changes no bit (the boundary path is the one ZeRO-1 with fp16 takes).
         assert boundary["losses"] == z2["losses"] and torch.equal(boundary["params"], z2["params"])
         assert z2["losses"][FREEZE + 1] != rank["adamw2"]["losses"][FREEZE + 1]  # the compressed step is not exact Adam
         # Recorded order: with overlap every bucket is issued while engine.backward runs, last bucket first.
@@ -183,9 +179,3 @@ def test_zero2_on_four_ranks_overlaps_and_matches_the_simulation():
         assert rank["stats"]["extensions"]["onebit"]["steps_by_phase"] == {"full_precision": FREEZE, "compressed": STEPS - FREEZE}
     # ranks see different data but agree on the model; the 1-bit steps do move it
     assert len({tuple(rank["losses"]) for rank in ranks}) == 4
-
-
-def test_zero3_is_refused_with_the_fix():
-    with pytest.raises(DSCompileConfigError, match="zero_optimization.stage") as info:
-        dscompile.load_config(_config({"type": "OneBitAdam", "params": ARGS}, 3))
-    assert "stages 1 and 2" in str(info.value) and "set zero_optimization.stage to 2 or 1" in str(info.value)
