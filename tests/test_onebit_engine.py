@@ -52,7 +52,7 @@ def _engine_vs_loop_rank(rank: int, world: int) -> dict:
         engine, *_ = dscompile.initialize(model=model, config=_config(name))
         compiled_ref = torch.compile(reference, backend="dscompile", options=engine.config)  # the same lowering as the engine's
         opt = OPTIMIZERS[name.lower()](reference.parameters(), **ARGS[name])  # averages and exchanges itself
-        losses, ref_losses, sent, phases = [], [], [], []
+        losses, ref_losses, sent, phases, early = [], [], [], [], []
         for step in range(1, STEPS + 1):
             loss = engine(*_batch(step, rank))
             engine.backward(loss)
@@ -66,6 +66,7 @@ def _engine_vs_loop_rank(rank: int, world: int) -> dict:
             counters = engine.communication_stats()["extensions"]["onebit"]
             sent.append(counters["bytes_sent_last_step"])
             phases.append(counters["last_phase"])
+            early.append(list(getattr(engine.gradients, "exchange_log", [])))
         out[name] = {
             "losses": losses,
             "ref_losses": ref_losses,
@@ -73,6 +74,7 @@ def _engine_vs_loop_rank(rank: int, world: int) -> dict:
             "ref_params": _params(reference),
             "sent": sent,
             "phases": phases,
+            "early": early,
             "fp32": counters["fp32_all_reduce_bytes_per_step"],
             "stats": engine.communication_stats(),
         }
@@ -99,6 +101,11 @@ def test_engine_equals_the_plain_loop_and_sends_the_compressed_bytes():
         if ranks[0][name]["phases"][-1] != "local":  # 0/1 Adam's replicas differ between synchronisations, by design
             assert torch.equal(ranks[0][name]["params"], ranks[1][name]["params"]), f"{name}: replicas diverged"
     assert ranks[0]["OneBitAdam"]["phases"] == ["full_precision"] * 3 + ["compressed"] * 6
+    # OneBitAdam's compressed steps start their momentum exchange from backward (recorded: issued while engine.backward
+    # ran), and still equal the plain loop bitwise (above); the warm-up and the other optimizers exchange in the step.
+    for rank in ranks:
+        assert rank["OneBitAdam"]["early"] == [[]] * 3 + [[(0, True)]] * 6
+        assert all(e == [] for name in ("ZeroOneAdam", "OneBitLamb") for e in rank[name]["early"])
     assert ranks[0]["ZeroOneAdam"]["phases"][4:] == ["compressed", "compressed", "local", "compressed", "local"]
     stats = ranks[0]["OneBitAdam"]["stats"]
     assert stats["data_parallel"]["all_reduce"]["calls"] == 3  # warm-up steps only

@@ -95,8 +95,64 @@ class OneBitGradients(DataParallelGradients):
     def __init__(self, module: nn.Module, optimizer: CompressedCommOptimizer) -> None:
         super().__init__(module)
         optimizer.set_gradient_averaging(by_caller=True)
+        self.exchange_log: list[tuple[int, bool]] = []
+        """``(bucket, during_backward)`` for the momentum exchanges started from backward in the last step."""
+        self._hooks: list[Any] = []
+        self._engine: EngineCore | None = None
+        self._bucket_of = {id(p): b for b, bucket in enumerate(optimizer.buckets) for p in bucket.params}
+        self._reset_pending(optimizer)
+
+    # -- overlap with backward (OneBitAdam: its momentum update needs one bucket's gradient only) --------------------
+    def attach(self, engine: EngineCore) -> None:
+        """Start each bucket's compressed momentum exchange from backward, as soon as its gradients are final."""
+        if not hasattr(engine.optimizer, "exchange_early") or self.world_size == 1:
+            return
+        self._engine = engine
+        for p in engine.optimizer.buckets:  # type: ignore[union-attr]
+            for param in p.params:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient_ready))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _reset_pending(self, optimizer: CompressedCommOptimizer) -> None:
+        self._missing = [len(bucket.params) for bucket in optimizer.buckets]
+        self._seen: set[int] = set()
+        self._next = len(optimizer.buckets) - 1  # last bucket first (backward's order), the same order on every rank
+        self._log_open = False
+
+    def _overlapping(self, engine: EngineCore) -> bool:
+        """The coming step is a compressed one that uses these gradients unchanged: no clipping, no overflow skip."""
+        optimizer = engine.optimizer
+        return (
+            engine.in_engine_backward
+            and engine.is_gradient_accumulation_boundary()
+            and engine.config.gradient_clipping <= 0
+            and not any(e.checks_overflow for e in engine.extensions)
+            and not optimizer.needs_averaged_gradients()  # type: ignore[union-attr]
+        )
+
+    @torch.no_grad()
+    def _on_gradient_ready(self, p: torch.Tensor) -> None:
+        engine = self._engine
+        if engine is None or id(p) in self._seen or not self._overlapping(engine):
+            return
+        self._seen.add(id(p))
+        optimizer = engine.optimizer
+        self._missing[self._bucket_of[id(p)]] -= 1
+        while self._next >= 0 and self._missing[self._next] == 0:
+            if optimizer.exchange_early(optimizer.buckets[self._next]):  # type: ignore[union-attr]
+                if not self._log_open:
+                    self.exchange_log, self._log_open = [], True
+                self.exchange_log.append((self._next, engine.in_engine_backward))
+            self._next -= 1
 
     def reduce(self, engine: EngineCore) -> None:
+        if not self._log_open:
+            self.exchange_log = []  # nothing started from backward: the optimizer's step exchanges every bucket
+        self._reset_pending(engine.optimizer)  # type: ignore[arg-type]
         if engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
             super().reduce(engine)
         # otherwise every rank keeps its own gradients: the optimizer's step exchanges them 1-bit (or, 0/1 Adam's local steps, not at all)
@@ -185,6 +241,7 @@ class OneBitExtension(EngineExtension):
             self.purpose_stats = strategy.comm.stats
         elif engine.gradients is None:
             engine.gradients = OneBitGradients(engine.module, optimizer)
+            engine.gradients.attach(engine)
             self.purpose_stats = optimizer.comm.stats
         else:
             raise DSCompileConfigError(
@@ -239,7 +296,7 @@ class OneBitExtension(EngineExtension):
         (directory / f"communication_rank{engine.global_rank}.json").write_text(json.dumps(record, indent=1))
 
     def destroy(self, engine: EngineCore) -> None:
-        if isinstance(engine.gradients, OneBitZeroGradients):
+        if isinstance(engine.gradients, (OneBitZeroGradients, OneBitGradients)):
             engine.gradients.detach()
 
     def counters(self) -> dict[str, Any]:
