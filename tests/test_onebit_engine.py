@@ -243,7 +243,7 @@ def _exact_frozen_variance_adam(rank: int, world: int, config, steps: int) -> li
 
 def _zero_and_resume_rank(rank: int, world: int, directory: str) -> dict:
     out = {}
-    for stage in (0, 1):
+    for stage in (0, 1, 2):
         torch.manual_seed(0)
         cfg = _config("OneBitAdam", zero_optimization={"stage": stage})
         engine, *_ = dscompile.initialize(model=build_model(WORK), config=cfg)
@@ -271,7 +271,7 @@ def _deviation(losses: list[float], exact: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_zero1_composes_and_resume_is_bit_exact(tmp_path):
+def test_zero1_and_zero2_compose_and_resume_is_bit_exact(tmp_path):
     ranks = run_distributed_or_fail(_zero_and_resume_rank, 2, str(tmp_path), timeout=900)
     for rank in ranks:
         plain, zero1, exact = rank[0], rank[1], rank["exact"]
@@ -285,7 +285,8 @@ def test_zero1_composes_and_resume_is_bit_exact(tmp_path):
         plain_dev, zero1_dev = (_deviation(run["losses"], exact) for run in (plain, zero1))
         assert plain_dev > 0  # compression does change the trajectory: the bound below is not vacuous
         assert zero1_dev <= max(1.5 * plain_dev, 0.005), (zero1["losses"], plain["losses"], exact)
-        for stage in (0, 1):
+        assert rank[2]["losses"] == zero1["losses"] and torch.equal(rank[2]["params"], zero1["params"])  # ZeRO-2: the same exchange
+        for stage in (0, 1, 2):
             run = rank[stage]
             assert run["resumed"] == run["losses"][6:], f"stage {stage}: resume is not bit-exact"
             assert torch.equal(run["params"], run["resumed_params"])
