@@ -4,8 +4,8 @@ Gloo ranks on this machine (default 2 and 4) train the same small GPT on a learn
 (``dscompile.testing.onebit``) for ``--steps`` steps, every optimizer with the same learning-rate
 schedule (linear warm-up over the first 10%, then linear decay to 10%). ``--path engine`` (the default,
 the user's path) trains through ``dscompile.initialize``: the engine compiles the model and hands its
-gradient communication to the 1-bit optimizers, and two more rows run ZeRO-1 (``adamw_zero1``,
-``onebitadam_zero1``: the 1-bit reduce-scatter, the fp32 parameter all-gather kept). ``--path loop`` is
+gradient communication to the 1-bit optimizers, and more rows run ZeRO-1 and ZeRO-2 (``adamw_zero1``,
+``onebitadam_zero1``, ``_zero2``: the 1-bit reduce-scatter, the fp32 parameter all-gather kept). ``--path loop`` is
 a plain eager loop where the 1-bit optimizers do all the communication themselves:
 
 - ``adamw``: torch's AdamW after one fp32 all-reduce of the gradients per step (the baseline);
@@ -42,7 +42,7 @@ import torch
 from dscompile.testing.distributed import run_distributed
 from dscompile.testing.onebit import Workload, entropy_floor, train_rank, train_rank_engine
 
-REFERENCE = {"onebitadam": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb", "onebitadam_zero1": "adamw_zero1"}
+REFERENCE = {"onebitadam": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb", "onebitadam_zero1": "adamw_zero1", "onebitadam_zero2": "adamw_zero2"}
 TARGET_RATIO = {"onebitadam": 5.0, "zerooneadam": 26.0}
 
 
@@ -78,7 +78,8 @@ def _workload(name: str, kw: dict[str, Any], **common: Any) -> Workload:
 def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
     opts = optimizers(args.steps)
     if args.path == "engine":
-        opts.update(adamw_zero1=opts["adamw"], onebitadam_zero1=opts["onebitadam"])
+        for stage in args.zero_stages:
+            opts.update({f"adamw_zero{stage}": opts["adamw"], f"onebitadam_zero{stage}": opts["onebitadam"]})
     common = dict(steps=args.steps, d_model=args.d_model, n_layers=args.layers, lr_warmup_steps=max(1, args.steps // 10), lr_final_fraction=0.1)
     works = [_workload(name, kw, **common) for name, kw in opts.items()]
     capped = [_workload(name, kw, bandwidth_bytes_per_s=args.bandwidth, **common) for name, kw in opts.items()]
@@ -119,7 +120,7 @@ def print_table(world: int, rows: dict[str, Any], bandwidth: float) -> list[str]
         compressed = [b for b in per_step if 0 < b < warm]
         ref = REFERENCE.get(name)
         rel = f"{100 * (row['eval_loss'] / rows[ref]['eval_loss'] - 1):+.1f}%" if ref else ""
-        ratio = rows["adamw_zero1" if name.endswith("_zero1") else "adamw"]["total_bytes"] / row["total_bytes"]
+        ratio = rows["adamw" + name[len(name.partition("_zero")[0]) :]]["total_bytes"] / row["total_bytes"]
         print(
             f"{name:17s} {row['eval_loss']:9.4f} {rel:>7s} {row['total_bytes'] / 1e6:8.2f} {ratio:8.1f} {warm:11d} "
             f"{(statistics.median(compressed) if compressed else 0):11.0f} {per_step.count(0):11d} "
@@ -149,7 +150,7 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
         for name, row in rows.items():
             curve = torch.tensor(row["loss_curve"])
             smooth = torch.nn.functional.avg_pool1d(curve.view(1, 1, -1), 9, stride=1, padding=4, count_include_pad=False).view(-1)
-            ax.plot(smooth.tolist(), label=f"{name} ({row['eval_loss']:.3f})", linestyle="--" if name in ("adamw", "lamb", "adamw_zero1") else "-")
+            ax.plot(smooth.tolist(), label=f"{name} ({row['eval_loss']:.3f})", linestyle="--" if name.startswith(("adamw", "lamb")) else "-")
         ax.axhline(entropy_floor(), color="gray", linewidth=0.8, linestyle=":")
         ax.set_title(f"{world} gloo ranks: training loss (9-step mean)")
         ax.set_xlabel("step")
@@ -170,8 +171,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--bandwidth", type=float, default=1e6, help="emulated link, bytes per second per rank (1e6: 8 Mbit/s)")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--zero-stages", default="1,2", help="--path engine: ZeRO stages to add AdamW and OneBitAdam rows for ('' for none)")
     parser.add_argument("--out", default="bench/out", help="directory for onebit.png and onebit.json")
     args = parser.parse_args()
+    args.zero_stages = [int(s) for s in args.zero_stages.split(",") if s]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, verdicts = {}, []

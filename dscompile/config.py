@@ -389,8 +389,8 @@ _COMPRESSED_COMM_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 def _check_compressed_comm_optimizer(config: DSConfig) -> None:
     """1-bit optimizers average over every data-parallel rank: refuse the layouts they cannot serve.
 
-    OneBitAdam composes with ZeRO stage 1 (its reduce-scatter goes 1-bit); stages 2/3 reduce inside
-    the compiled graphs, 0/1 Adam's local steps need every rank's full momentum and 1-bit LAMB's
+    OneBitAdam composes with ZeRO stages 1 and 2 (their reduce-scatter goes 1-bit); stage 3 gathers
+    inside the compiled graphs, 0/1 Adam's local steps need every rank's full momentum and 1-bit LAMB's
     trust ratios need whole parameters, so those are refused here, before anything is built."""
     if config.optimizer is None or config.optimizer.type.lower().replace("_", "") not in _COMPRESSED_COMM_OPTIMIZERS:
         return
@@ -406,14 +406,14 @@ def _check_compressed_comm_optimizer(config: DSConfig) -> None:
         raise DSCompileConfigError(
             "zero_optimization.stage",
             f"optimizer {config.optimizer.type} does not compose with ZeRO: {why}",
-            "use stage 0 with it, or OneBitAdam with ZeRO stage 1",
+            "use stage 0 with it, or OneBitAdam with ZeRO stage 1 or 2",
         )
-    if stage > 1:
+    if stage > 2:
         raise DSCompileConfigError(
             "zero_optimization.stage",
-            f"optimizer {config.optimizer.type} composes with ZeRO stage 1 only: stages 2 and 3 reduce-scatter gradients inside the "
-            "compiled backward graphs, where the 1-bit exchange (with its per-rank worker errors) is not built",
-            "set zero_optimization.stage to 1 (its reduce-scatter goes 1-bit after the freeze) or 0",
+            f"optimizer {config.optimizer.type} composes with ZeRO stages 1 and 2 only: ZeRO-3 gathers parameters and reduce-scatters "
+            "gradients inside the compiled graphs, where the 1-bit exchange (with its per-rank worker errors) is not built",
+            "set zero_optimization.stage to 2 or 1 (their reduce-scatter goes 1-bit after the freeze), or 0",
         )
     if "pipeline_parallel" in config.sections:
         raise DSCompileConfigError(

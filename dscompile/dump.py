@@ -266,4 +266,18 @@ def print_summaries(directory: str | Path) -> str:
             f"{s['graph']:28} {summary_file.parent.name:24} {s['nodes']:>6} {s['num_collectives']:>5} "
             f"{s['flops_estimate'] / 1e6:>11.3f} {s['peak_live_bytes'] / 1e6:>9.3f} {'' if seconds is None else f'{seconds:.4f}':>8}"
         )
+    for comm_file in sorted(root.glob("communication_rank*.json")):
+        lines += communication_lines(comm_file)
     return "\n".join(lines)
+
+
+def communication_lines(path: Path) -> list[str]:
+    """The bytes a rank sent per optimizer step (written by engines whose optimizer counts them, e.g. 1-bit Adam)."""
+    record = json.loads(path.read_text())
+    rank = path.stem.removeprefix("communication_rank")
+    lines = [
+        f"== rank {rank}: {record['optimizer']} on {record['world_size']} ranks, bytes sent per step "
+        f"(an fp32 all-reduce sends {record['fp32_all_reduce_bytes_per_step']}) =="
+    ]
+    lines += [f"step {s['step']:>6} {s['phase']:16} {s['bytes_sent']:>12} bytes sent" for s in record["steps"]]
+    return lines

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from test_onebit_zero import zero2_engine_rank
 
 from dscompile.runtime.onebit import CompressedLayout, OneBitAdam, OneBitLamb, ZeroOneAdam, wire_bytes
 from dscompile.testing.distributed import run_distributed_or_fail
@@ -333,7 +334,14 @@ def _suite_rank(rank: int, world: int):
         "by_caller": _by_caller_rank(rank, world, COMPRESSED_STEPS, COMPRESSED_FREEZE),
         "resume": [_resume_rank(rank, world, name, kwargs, first, 5) for name, kwargs, first in RESUME_CASES] if world == 2 else None,
         "dead": _dead_parameter_rank(rank, world) if world == 2 else None,
+        "engine_zero2": zero2_engine_rank(rank, world) if world == 4 else None,  # tests/test_onebit_zero.py checks it
     }
+
+
+@functools.cache
+def suite(world: int):
+    """The spawned ranks' results, shared with tests/test_onebit_zero.py (one 4-rank group for both files)."""
+    return _suite(world)
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dscompile.runtime.onebit.base import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BUCKET_SIZE,
+    Bucket,
     CompressedCommOptimizer,
     adam_denominator,
     bias_corrections,
@@ -71,6 +72,7 @@ class OneBitAdam(CompressedCommOptimizer):
             name=name,
             local=local,
         )
+        self._exchanged_early: set[int] = set()
 
     zero_shardable = True
 
@@ -118,17 +120,36 @@ class OneBitAdam(CompressedCommOptimizer):
                 for p, grad in zip(bucket.params, self.averaged_gradients(bucket)):
                     self._adam_step(p, grad, step)
                 continue
-            momenta = []
-            for p, grad in zip(bucket.params, self.local_gradients(bucket)):
+            if id(bucket) not in self._exchanged_early:
+                self._exchange_momentum(bucket)
+            for p in bucket.params:
                 exp_avg = self.state[p]["exp_avg"]
-                exp_avg.lerp_(grad, 1 - self.group_of(p)["betas"][0])
-                momenta.append(exp_avg)
-            for p, exp_avg, averaged in zip(bucket.params, momenta, self.compressed_mean(bucket, momenta, "compressed_momentum")):
-                exp_avg.copy_(averaged)
                 self.mask_compressed(p, exp_avg, self.state[p]["exp_avg_sq"], bias_corrections(self.group_of(p), step, self.freeze_step)[1])
                 self._frozen_variance_step(p, step)
+        self._exchanged_early.clear()
         self.global_step = step
         return loss
+
+    def _exchange_momentum(self, bucket: Bucket) -> None:
+        """Fold this rank's gradient into the bucket's momentum and replace it by its 1-bit average over the ranks."""
+        momenta = []
+        for p, grad in zip(bucket.params, self.local_gradients(bucket)):
+            exp_avg = self.state[p]["exp_avg"]
+            exp_avg.lerp_(grad, 1 - self.group_of(p)["betas"][0])
+            momenta.append(exp_avg)
+        for exp_avg, averaged in zip(momenta, self.compressed_mean(bucket, momenta, "compressed_momentum")):
+            exp_avg.copy_(averaged)
+
+    @torch.no_grad()
+    def exchange_early(self, bucket: Bucket) -> bool:
+        """During backward, once ``bucket``'s gradients are final: its momentum exchange now instead of in ``step()``
+        (the momentum update needs that bucket's gradient only). The coming ``step()`` must be a compressed one with
+        these gradients as they are (no clipping, no overflow skip): the caller checks. Returns whether it exchanged."""
+        if self.needs_averaged_gradients() or id(bucket) in self._exchanged_early:
+            return False
+        self._exchange_momentum(bucket)
+        self._exchanged_early.add(id(bucket))
+        return True
 
     def _adam_step(self, p: torch.nn.Parameter, grad: torch.Tensor, step: int) -> None:
         """torch's single-tensor AdamW, operation for operation (so the warm-up matches it bitwise)."""

@@ -8,7 +8,7 @@ them) installs a gradient strategy at construction:
   (``needs_averaged_gradients()``: 1-bit Adam/LAMB's warm-up, 0/1 Adam's variance steps); otherwise
   each rank keeps its own and the optimizer's step exchanges its compressed momentum (0/1 Adam's
   local steps send nothing). So there is no second, uncompressed all-reduce.
-- with ZeRO-1 (``OneBitAdam`` only), ``OneBitZeroGradients``: the optimizer steps this rank's flat
+- with ZeRO-1 or ZeRO-2 (``OneBitAdam`` only), ``OneBitZeroGradients`` (``runtime/onebit/zero.py``): the optimizer steps this rank's flat
   shards (``over_shards``: it communicates nothing itself). In the warm-up ZeRO-1's fp32
   reduce-scatter feeds it; after the freeze a 1-bit reduce-scatter does
   (``compressed_reduce_scatter``): each rank compresses its own gradient, the momentum's per-rank
@@ -17,6 +17,8 @@ them) installs a gradient strategy at construction:
   formed from that average by the owner. No server error and no compressed all-gather: ZeRO-1's
   parameter all-gather after the step replaces them (so only the reduce half is compressed).
   The worker errors travel in the shard optimizer's ``state_dict`` (ZeRO's per-rank files).
+  Buckets are exchanged during backward as they become ready (see that module); ZeRO-2 compiles the
+  model without its in-graph reduce-scatters and frees each bucket's full gradients once exchanged.
 
 Clipping (``gradient_clipping``) acts on the gradients the optimizer is about to use, as DeepSpeed
 0.19.5's engine did with these optimizers (it switched its backward all-reduce off after the freeze
@@ -38,13 +40,13 @@ progress log prints them every ``steps_per_print`` steps.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
@@ -52,12 +54,12 @@ from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, C
 from dscompile.runtime.comm_stats import CommStats as EngineCommStats
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.devices import collective_device
-from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, EngineExtension, _agree_any
+from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, EngineExtension
 from dscompile.runtime.onebit.base import CompressedCommOptimizer
-from dscompile.runtime.onebit.comm import Collectives, CommStats, compressed_reduce_scatter, reduce_scatter_chunk, wire_bytes
+from dscompile.runtime.onebit.comm import CommStats, wire_bytes
+from dscompile.runtime.onebit.zero import ZERO3_REFUSAL, OneBitZeroGradients
 from dscompile.runtime.onebit.zero_one_adam import ZeroOneAdam
 from dscompile.runtime.zero_extension import ZeroGradients
-from dscompile.runtime.zero_shard import ZeroPartition
 
 log = logging.getLogger("dscompile.runtime.onebit")
 
@@ -93,8 +95,64 @@ class OneBitGradients(DataParallelGradients):
     def __init__(self, module: nn.Module, optimizer: CompressedCommOptimizer) -> None:
         super().__init__(module)
         optimizer.set_gradient_averaging(by_caller=True)
+        self.exchange_log: list[tuple[int, bool]] = []
+        """``(bucket, during_backward)`` for the momentum exchanges started from backward in the last step."""
+        self._hooks: list[Any] = []
+        self._engine: EngineCore | None = None
+        self._bucket_of = {id(p): b for b, bucket in enumerate(optimizer.buckets) for p in bucket.params}
+        self._reset_pending(optimizer)
+
+    # -- overlap with backward (OneBitAdam: its momentum update needs one bucket's gradient only) --------------------
+    def attach(self, engine: EngineCore) -> None:
+        """Start each bucket's compressed momentum exchange from backward, as soon as its gradients are final."""
+        if not hasattr(engine.optimizer, "exchange_early") or self.world_size == 1:
+            return
+        self._engine = engine
+        for p in engine.optimizer.buckets:  # type: ignore[union-attr]
+            for param in p.params:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient_ready))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _reset_pending(self, optimizer: CompressedCommOptimizer) -> None:
+        self._missing = [len(bucket.params) for bucket in optimizer.buckets]
+        self._seen: set[int] = set()
+        self._next = len(optimizer.buckets) - 1  # last bucket first (backward's order), the same order on every rank
+        self._log_open = False
+
+    def _overlapping(self, engine: EngineCore) -> bool:
+        """The coming step is a compressed one that uses these gradients unchanged: no clipping, no overflow skip."""
+        optimizer = engine.optimizer
+        return (
+            engine.in_engine_backward
+            and engine.is_gradient_accumulation_boundary()
+            and engine.config.gradient_clipping <= 0
+            and not any(e.checks_overflow for e in engine.extensions)
+            and not optimizer.needs_averaged_gradients()  # type: ignore[union-attr]
+        )
+
+    @torch.no_grad()
+    def _on_gradient_ready(self, p: torch.Tensor) -> None:
+        engine = self._engine
+        if engine is None or id(p) in self._seen or not self._overlapping(engine):
+            return
+        self._seen.add(id(p))
+        optimizer = engine.optimizer
+        self._missing[self._bucket_of[id(p)]] -= 1
+        while self._next >= 0 and self._missing[self._next] == 0:
+            if optimizer.exchange_early(optimizer.buckets[self._next]):  # type: ignore[union-attr]
+                if not self._log_open:
+                    self.exchange_log, self._log_open = [], True
+                self.exchange_log.append((self._next, engine.in_engine_backward))
+            self._next -= 1
 
     def reduce(self, engine: EngineCore) -> None:
+        if not self._log_open:
+            self.exchange_log = []  # nothing started from backward: the optimizer's step exchanges every bucket
+        self._reset_pending(engine.optimizer)  # type: ignore[arg-type]
         if engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
             super().reduce(engine)
         # otherwise every rank keeps its own gradients: the optimizer's step exchanges them 1-bit (or, 0/1 Adam's local steps, not at all)
@@ -142,68 +200,6 @@ class OneBitGradients(DataParallelGradients):
         return client
 
 
-class OneBitZeroGradients(ZeroGradients):
-    """ZeRO-1 whose gradient reduce-scatter goes 1-bit once the optimizer no longer needs fp32-averaged gradients."""
-
-    name = "onebit_zero"
-
-    def __init__(self, partition: ZeroPartition, ignore_unused_parameters: bool, block_size: int | None, kernel_impl: str | None) -> None:
-        super().__init__(partition, ignore_unused_parameters)
-        self.block_size = block_size
-        self.kernel_impl = kernel_impl
-        self.comm = Collectives(partition.group, CommStats())
-        self.buckets = list(partition._buckets(range(len(partition.layouts))))  # fixed: every parameter, every step
-
-    def reduce(self, engine: EngineCore) -> None:
-        optimizer = engine.optimizer
-        if optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
-            super().reduce(engine)  # ZeRO-1's fp32 reduce-scatter
-            return
-        if not self.ignore_unused_parameters:
-            self._refuse_unused()
-        self._compressed_reduce(engine, optimizer.exchange_state)  # type: ignore[union-attr]
-
-    @torch.no_grad()
-    def _compressed_reduce(self, engine: EngineCore, exchange: dict[str, Any]) -> None:
-        zero = self.partition
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in zero.full_params]
-        scaler = engine.loss_scaler
-        scale = float(getattr(scaler, "loss_scale", 1.0)) if scaler is not None else 1.0
-        if zero.world > 1 and any(e.checks_overflow for e in engine.extensions):
-            local = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).isfinite().all()
-            if _agree_any(not bool(local), zero.group):
-                # An overflow somewhere: send nothing (the errors stay clean) and let the loss scaler see it on every rank.
-                for shard in zero.shards:
-                    shard.grad = torch.full_like(shard, float("inf"))
-                for p in zero.full_params:
-                    p.grad = None
-                return
-        errors: list[torch.Tensor | None] = exchange.setdefault("worker_errors", [None] * len(self.buckets))
-        for b, bucket in enumerate(self.buckets):
-            pieces = []
-            for i in bucket:
-                layout = zero.layouts[i]
-                pieces.append(F.pad(grads[i].reshape(-1).float(), (0, layout.shard_numel * zero.world - layout.numel)).view(zero.world, -1))
-            rows = torch.cat(pieces, dim=1)  # row r: rank r's ZeRO shard of every parameter in the bucket
-            if scale != 1.0:
-                rows.div_(scale)  # errors live unscaled, so a change of the loss scale does not corrupt them
-            if errors[b] is None:
-                chunk, _ = reduce_scatter_chunk(rows.shape[1], self.block_size)
-                errors[b] = torch.zeros(zero.world * chunk, device=rows.device)
-            mine = compressed_reduce_scatter(rows, errors[b], self.block_size, self.comm, "compressed_gradient", self.kernel_impl)  # type: ignore[arg-type]
-            if scale != 1.0:
-                mine.mul_(scale)  # the loss scaler unscales the shards next (a power of two: exact)
-            offset = 0
-            for i in bucket:
-                length = zero.layouts[i].shard_numel
-                shard = zero.shards[i]
-                piece = mine[offset : offset + length].to(shard.dtype)
-                shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
-                offset += length
-        for p in zero.full_params:
-            p.grad = None
-
-
 def _phase(optimizer: CompressedCommOptimizer) -> str:
     """What the coming step communicates: ``full_precision``, ``compressed`` or (0/1 Adam) ``local``."""
     if optimizer.needs_averaged_gradients():
@@ -228,6 +224,7 @@ class OneBitExtension(EngineExtension):
         self.bytes_by_phase: dict[str, int] = {}
         self.steps_by_phase: dict[str, int] = {}
         self._seen = 0
+        self.history: list[dict[str, Any]] = []
 
     def configure(self, engine: EngineCore) -> None:
         optimizer = engine.optimizer
@@ -235,18 +232,16 @@ class OneBitExtension(EngineExtension):
             return  # not a 1-bit optimizer: nothing to do
         if isinstance(engine.gradients, ZeroGradients):
             zero = engine.gradients.partition
-            if zero.stage != 1:
-                raise DSCompileConfigError(
-                    "zero_optimization.stage",
-                    f"{type(optimizer).__name__} composes with ZeRO stage 1 only: stages 2 and 3 reduce-scatter gradients inside "
-                    "the compiled backward graphs, where the 1-bit exchange (with its per-rank worker errors) is not built",
-                    "set zero_optimization.stage to 1 (its reduce-scatter goes 1-bit after the freeze) or 0",
-                )
+            if zero.stage == 3:
+                raise DSCompileConfigError("zero_optimization.stage", *ZERO3_REFUSAL)
             strategy = OneBitZeroGradients(zero, engine.gradients.ignore_unused_parameters, optimizer.block_size, optimizer.kernel_impl)
+            engine.compile_target = engine.module  # stage 2: no in-graph reduce-scatter, the 1-bit exchange replaces it
+            strategy.attach(engine)
             engine.gradients = strategy
             self.purpose_stats = strategy.comm.stats
         elif engine.gradients is None:
             engine.gradients = OneBitGradients(engine.module, optimizer)
+            engine.gradients.attach(engine)
             self.purpose_stats = optimizer.comm.stats
         else:
             raise DSCompileConfigError(
@@ -271,6 +266,8 @@ class OneBitExtension(EngineExtension):
         self._seen = sent
         self.bytes_by_phase[self.phase] = self.bytes_by_phase.get(self.phase, 0) + self.last_step_bytes
         self.steps_by_phase[self.phase] = self.steps_by_phase.get(self.phase, 0) + 1
+        if engine.config.dump:
+            self._dump(Path(engine.config.dump), engine)
         if engine.global_rank == 0 and engine.global_steps % engine.config.steps_per_print == 0:
             ratio = f"{self.fp32_bytes_per_step / self.last_step_bytes:.1f}x fewer than" if self.last_step_bytes else "nothing, vs"
             log.info(
@@ -282,6 +279,25 @@ class OneBitExtension(EngineExtension):
                 ratio,
                 self.fp32_bytes_per_step,
             )
+
+    def _dump(self, directory: Path, engine: EngineCore) -> None:
+        """``communication_rank<r>.json`` in the dump directory: bytes this rank sent per step, per phase (``dscompile dump``
+        and ``dump.print_summaries`` show them beside the graphs)."""
+        self.history.append({"step": engine.global_steps, "phase": self.phase, "bytes_sent": self.last_step_bytes})
+        del self.history[:-1000]  # the last 1000 steps
+        record = {
+            "optimizer": type(self.optimizer).__name__,
+            "world_size": self.world,
+            "fp32_all_reduce_bytes_per_step": self.fp32_bytes_per_step,
+            "steps": self.history,
+            "bytes_sent_by_phase": self.bytes_by_phase,
+        }
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"communication_rank{engine.global_rank}.json").write_text(json.dumps(record, indent=1))
+
+    def destroy(self, engine: EngineCore) -> None:
+        if isinstance(engine.gradients, (OneBitZeroGradients, OneBitGradients)):
+            engine.gradients.detach()
 
     def counters(self) -> dict[str, Any]:
         if self.optimizer is None:
