@@ -404,8 +404,10 @@ class EngineCore:
         return self.config.accumulation_steps
 
     def data_parallel_world_size(self) -> int:
-        """Ranks that train on different data (every rank here; a pipeline engine counts pipelines)."""
-        return self.world_size
+        """Ranks that train on different data (every rank here; a pipeline engine counts pipelines;
+        tensor parallelism counts its DP group)."""
+        groups = getattr(self, "process_groups", None)
+        return groups.dp_size if groups is not None else self.world_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
         micro = self.config.train_micro_batch_size_per_gpu

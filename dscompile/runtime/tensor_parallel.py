@@ -1,0 +1,138 @@
+"""What tensor parallelism runs outside the pass: its collectives, the partitioned module, its gradients.
+
+- ``tp_copy`` / ``tp_reduce``: Megatron's *f* and *g* as autograd functions over functional collectives
+  (``torch.distributed._functional_collectives``), so Dynamo and AOTAutograd trace them into the graphs as
+  ``_c10d_functional.all_reduce`` + ``wait_tensor``: ``tp_copy`` (before the column-parallel linears of a
+  block) is the identity forward and an all-reduce of the input's gradient backward; ``tp_reduce`` (after
+  the row-parallel linear) all-reduces the partial outputs forward and passes the gradient through backward.
+- ``TensorParallelGradients``: data parallelism over the DP group only (TP peers hold different slices),
+  gradient clipping by the global norm (sliced parameters' squares summed over the TP group), and
+  ``full_parameters`` gathered back to the unpartitioned layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from dscompile.runtime.data_parallel import DataParallelGradients
+from dscompile.runtime.engine_core import EngineCore
+from dscompile.runtime.process_groups import ProcessGroups
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def tp_copy(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Megatron's *f*: identity forward, all-reduce of the gradient backward (input of column-parallel linears)."""
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def tp_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Megatron's *g*: all-reduce forward (partial sums of row-parallel linears), identity backward."""
+    return _ReduceFromTensorParallel.apply(x, group)
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """How a parameter is split across the TP group: along ``dim``, in ``blocks`` equal blocks each cut in TP pieces.
+
+    ``blocks`` > 1 is a fused projection (GPT-2's ``c_attn``: q, k and v side by side), whose every
+    block is split so that each rank holds its q, k and v heads.
+    """
+
+    dim: int
+    blocks: int = 1
+
+    def take(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        pieces = full.chunk(self.blocks, dim=self.dim)
+        return torch.cat([piece.chunk(world, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+
+    def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's slice (rank order)."""
+        per_rank = [s.chunk(self.blocks, dim=self.dim) for s in slices]
+        return torch.cat([torch.cat([r[b] for r in per_rank], dim=self.dim) for b in range(self.blocks)], dim=self.dim)
+
+
+def gather_slices(tensor: torch.Tensor, groups: ProcessGroups) -> list[torch.Tensor]:
+    """Every TP rank's slice of ``tensor`` (slices have equal shapes: the pass splits evenly)."""
+    out = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
+    dist.all_gather(out, tensor.contiguous(), group=groups.tp_group)
+    return out
+
+
+class TensorParallelGradients(DataParallelGradients):
+    """Data parallelism over the DP group; sliced parameters counted once per TP group in norms."""
+
+    name = "tensor_parallel"
+
+    def __init__(self, module: nn.Module, groups: ProcessGroups, slices: Callable[[], dict[str, SliceSpec]]) -> None:
+        super().__init__(module, group=groups.dp_group, group_ranks=groups.dp_ranks)
+        self.groups = groups
+        self._slices = slices  # the pass's plan, known after the first forward captured the graph
+
+    def _sliced_ids(self) -> set[int]:
+        specs = self._slices()
+        return {id(p) for n, p in self.module.named_parameters() if n in specs}
+
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        sliced = self._sliced_ids()
+        grads = [p for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        device = grads[0].grad.device
+        sq_sliced = torch.zeros((), dtype=torch.float64, device=device)
+        sq_whole = torch.zeros((), dtype=torch.float64, device=device)
+        for p in grads:
+            sq = p.grad.detach().double().pow(2).sum()
+            if id(p) in sliced:
+                sq_sliced += sq
+            else:
+                sq_whole += sq
+        if self.groups.tp_size > 1:
+            dist.all_reduce(sq_sliced, group=self.groups.tp_group)
+        total = float((sq_sliced + sq_whole).sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in grads:
+                p.grad.mul_(coef)
+        return total
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter at its unpartitioned shape (a collective over the TP group)."""
+        specs = self._slices()
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.module.named_parameters():
+            spec = specs.get(name)
+            out[name] = spec.assemble(gather_slices(p.detach(), self.groups)) if spec is not None else p.detach().clone()
+        return out
+
+    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+        raise NotImplementedError("checkpoints of tensor-parallel engines are not built yet (the slices' layout is in engine.tp_plan)")
+
+    def load_checkpoint(self, engine: EngineCore, directory: Any, *args: Any) -> dict | None:
+        raise NotImplementedError("checkpoints of tensor-parallel engines are not built yet")
