@@ -18,7 +18,7 @@ ops, softmax over another dimension, batched matmuls, SDPA, rotary halves, GQA's
   hold only this rank's slice.
 
 A block the pass cannot split (heads not divisible by TP, an op it does not know, a value used outside
-the block) stays replicated, and the reason is logged and kept in the plan (``engine.tp_plan``); if no
+the block) stays replicated, and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
 block can be split, the engine refuses to start. ``partition_config.layer_specs`` (DeepSpeed's regexes
 over parameter names, ``partition_type`` ``column`` / ``row`` / ``skip``) overrides the choice: ``skip``
 keeps a block replicated, ``column``/``row`` must agree with what the graph allows (else an error names
@@ -42,7 +42,7 @@ from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
-from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, tp_copy, tp_reduce
+from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, gather_slices, tp_copy, tp_reduce
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
 aten = torch.ops.aten
@@ -306,6 +306,14 @@ class _Propagator:
         elif target is aten.unsqueeze.default:
             k = node.args[1] % len(out_shape)  # type: ignore[operator]
             self.sharded[node] = d + 1 if k <= d else d
+        elif target is aten.repeat_interleave.self_int:  # GQA: each rank's KV heads repeated for its query heads
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+            if dim is None:
+                raise _Unsplittable("repeat_interleave over the flattened tensor")
+            size = node.kwargs.get("output_size")
+            if size is not None and dim % len(in_shape) == d:  # type: ignore[operator]
+                node.kwargs = {**node.kwargs, "output_size": int(size) // tp}
+            self.sharded[node] = d
         elif target is aten.expand.default:
             out = d + len(out_shape) - len(in_shape)
             self._note_shape(node, out, out_shape)
@@ -586,6 +594,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     gm = exported.module()
     _share_parameters(gm, model)
+    for node in list(gm.graph.nodes):  # export's dtype/device asserts: checks of the capture, not computation
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
     return gm
 
 
@@ -685,6 +697,22 @@ class TensorParallelExtension(EngineExtension):
         engine.compile_target = self.module  # type: ignore[attr-defined]
         engine.process_groups = groups  # type: ignore[attr-defined]
         engine.gradients = TensorParallelGradients(engine.module, groups, self.slices)
+
+    @property
+    def plan(self) -> TensorParallelPlan | None:
+        """The pass's decisions (None until the first batch captured the graph)."""
+        return self.module.plan if self.module is not None else None
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient at the unpartitioned shape (a collective over the TP group): for checks."""
+        assert self.groups is not None and self.module is not None
+        specs = self.slices()
+        out = {}
+        for name, p in self.module.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.detach()
+                out[name] = specs[name].assemble(gather_slices(g, self.groups)) if name in specs else g.clone()
+        return out
 
     def slices(self) -> dict[str, SliceSpec]:
         return self.module.plan.slices if self.module is not None and self.module.plan is not None else {}

@@ -132,7 +132,7 @@ class TensorParallelGradients(DataParallelGradients):
         return out
 
     def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
-        raise NotImplementedError("checkpoints of tensor-parallel engines are not built yet (the slices' layout is in engine.tp_plan)")
+        raise NotImplementedError("checkpoints of tensor-parallel engines are not built yet (the slices' layout is in engine.extension('tensor_parallel').plan)")
 
     def load_checkpoint(self, engine: EngineCore, directory: Any, *args: Any) -> dict | None:
         raise NotImplementedError("checkpoints of tensor-parallel engines are not built yet")
