@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from dscompile.config import parse_dataclass, register_section
-from dscompile.errors import DSCompileConfigError
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, gather_slices, tp_copy, tp_reduce
@@ -102,7 +102,7 @@ def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
     section = dict(value)
     for key, capability in _REFUSED_WHEN_SET.items():
         if section.pop(key, None) not in (None, False, "", [], {}):
-            raise DSCompileConfigError(f"{path}.{key}", f"needs {capability}, which is not built", f"remove {path}.{key}")
+            raise DSCompileNotSupportedError(f"{path}.{key}", capability)
     dtype = section.pop("dtype", None)
     if dtype is not None:
         raise DSCompileConfigError(f"{path}.dtype", "the parameters' dtype is set by bf16/fp16 here", f"remove {path}.dtype; use the bf16 or fp16 section")
@@ -113,9 +113,9 @@ def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
         if key not in ("tp_size", "tp_grain_size", "mpu", "tp_group"):
             raise DSCompileConfigError(f"{path}.tp.{key}", "unknown key", "valid keys here: tp_size, tp_grain_size, mpu, tp_group")
     if tp.get("mpu") is not None or tp.get("tp_group") is not None:
-        raise DSCompileConfigError(f"{path}.tp.mpu", "user-made process groups are not read", "remove it; dscompile lays out TP × DP itself")
+        raise DSCompileNotSupportedError(f"{path}.tp.mpu", "user-made tensor-parallel groups (dscompile lays out TP × DP itself)")
     if (tp.get("tp_grain_size") or 1) != 1:
-        raise DSCompileConfigError(f"{path}.tp.tp_grain_size", "grains other than 1 are not built", "remove it")
+        raise DSCompileNotSupportedError(f"{path}.tp.tp_grain_size", "tensor-parallel grains other than 1")
     if section.get("autotp_size") in (None, 0):
         section["autotp_size"] = 1
     tp_size = tp.get("tp_size") or 1
@@ -127,7 +127,7 @@ def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
     if config.autotp_size < 1:
         raise DSCompileConfigError(f"{path}.autotp_size", f"expected a positive integer, got {config.autotp_size}")
     if config.tp_overlap_comm:
-        raise DSCompileConfigError(f"{path}.tp_overlap_comm", "overlapping TP all-reduces with compute is not built", "set it to false")
+        raise DSCompileNotSupportedError(f"{path}.tp_overlap_comm", "overlapping tensor-parallel all-reduces with compute")
     return config
 
 
@@ -668,6 +668,24 @@ class TensorParallelModule(nn.Module):
         return self._graph(*args, **kwargs)
 
 
+def refuse_untested_compositions(engine: EngineCore) -> None:
+    """What tensor parallelism is not built to combine with yet: a clear error, never a silently wrong step."""
+    sections = engine.config.sections
+    zero = sections.get("zero_optimization")
+    clashes = {
+        "zero_optimization": zero is not None and zero.stage > 0,
+        "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
+        "activation_checkpointing": sections.get("activation_checkpointing") is not None,
+        "bf16": getattr(sections.get("bf16"), "enabled", False),
+        "fp16": getattr(sections.get("fp16"), "enabled", False),
+    }
+    for key, clash in clashes.items():
+        if clash:
+            raise DSCompileConfigError(
+                SECTION, f"tensor parallelism together with {key} is not built yet", f"remove {key} or the tensor_parallel section"
+            )
+
+
 class TensorParallelExtension(EngineExtension):
     """Lays out the groups, wraps the model, and installs data parallelism over the DP group only."""
 
@@ -679,12 +697,7 @@ class TensorParallelExtension(EngineExtension):
         self.module: TensorParallelModule | None = None
 
     def configure(self, engine: EngineCore) -> None:
-        for key in ("zero_optimization", "pipeline_parallel", "activation_checkpointing"):
-            section = engine.config.sections.get(key)
-            if section is not None and (getattr(section, "stage", 1) or 0) > 0:
-                raise DSCompileConfigError(
-                    SECTION, f"tensor parallelism with {key} is not built yet", f"remove {key}, or tensor_parallel"
-                )
+        refuse_untested_compositions(engine)
         groups = build_process_groups(self.tc.autotp_size)
         self.groups = groups
         if engine.world_size > 1:

@@ -28,21 +28,19 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def train_and_compare(rank: int, world: int, names: list[str], optimizer: dict[str, Any], lower: str | None) -> dict[str, Any]:
+def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str, Any]:
     import dscompile
     from dscompile.zoo import build, make_batch
 
     out: dict[str, Any] = {}
-    for name in names:
+    for name, optimizer, lower in runs:
         case, ref = build(name, seed=3, **CASES[name]), build(name, seed=3, **CASES[name])
         full_bytes = {n: p.numel() * p.element_size() for n, p in case.model.named_parameters()}
         cfg: dict[str, Any] = {"optimizer": optimizer, "tensor_parallel": {"autotp_size": 2}}
         if lower is not None:
             cfg["lower"] = lower
         engine, *_ = dscompile.initialize(model=case.model, config=cfg)
-        ref_opt = torch.optim.SGD(ref.model.parameters(), lr=optimizer["params"]["lr"]) if optimizer["type"] == "SGD" else (
-            torch.optim.AdamW(ref.model.parameters(), lr=optimizer["params"]["lr"])
-        )
+        ref_opt = getattr(torch.optim, optimizer["type"])(ref.model.parameters(), lr=optimizer["params"]["lr"])
         losses, ref_losses, grad_err = [], [], 0.0
         for step in range(STEPS):
             batch = make_batch(case, seed=step)
@@ -62,11 +60,13 @@ def train_and_compare(rank: int, world: int, names: list[str], optimizer: dict[s
         plan = engine.extension("tensor_parallel").plan
         sliced = set(plan.slices)
         held = sum(p.numel() * p.element_size() for n, p in case.model.named_parameters() if n in sliced)
-        out[name] = {
+        out[f"{name}/{optimizer['type']}/{lower or 'inductor'}"] = {
             "losses": losses,
             "ref_losses": ref_losses,
             "grad_err": grad_err,
             "param_err": max(_relative(full[n], p.detach()) for n, p in ref.model.named_parameters()),
+            "name": name,
+            "optimizer": optimizer["type"],
             "held_fraction": held / sum(full_bytes[n] for n in sliced),
             "blocks_split": len(plan.split),
             "blocks_replicated": plan.replicated,
@@ -74,15 +74,25 @@ def train_and_compare(rank: int, world: int, names: list[str], optimizer: dict[s
     return out
 
 
+SGD = {"type": "SGD", "params": {"lr": 0.1}}
+ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
+# Inductor (the default lowering) for the GQA Llama and GPT-2's fused Conv1D; the other two and AdamW under
+# the eager lowering, to keep the test's compile time within budget (the same split graph either way).
+RUNS = [("llama", SGD, None), ("hf_gpt2", SGD, None), ("hf_llama", SGD, "eager"), ("gpt", ADAMW, "eager")]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @requires_backend("gloo")
-def test_tp2_equals_single_process_sgd() -> None:
-    results = run_distributed_or_fail(train_and_compare, 2, list(CASES), {"type": "SGD", "params": {"lr": 0.1}}, None, timeout=600)
+def test_tp2_equals_single_process() -> None:
+    results = run_distributed_or_fail(train_and_compare, 2, RUNS, timeout=600)
     for rank_result in results:
-        for name, r in rank_result.items():
-            assert r["blocks_split"] == 2 * CASES[name]["n_layers"], (name, r["blocks_replicated"])
-            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), name
-            assert r["grad_err"] < 1e-5, (name, r["grad_err"])
-            assert r["param_err"] < 1e-5, (name, r["param_err"])
-            assert r["held_fraction"] == pytest.approx(0.5), name
+        assert len(rank_result) == len(RUNS)
+        for key, r in rank_result.items():
+            name = r["name"]
+            tol = 1e-5 if r["optimizer"] == "SGD" else 1e-3
+            assert r["blocks_split"] == 2 * CASES[name]["n_layers"], (key, r["blocks_replicated"])
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=tol, abs=1e-6), key
+            assert r["grad_err"] < 1e-5, (key, r["grad_err"])
+            assert r["param_err"] < tol, (key, r["param_err"])
+            assert r["held_fraction"] == pytest.approx(0.5), key  # each rank holds half of every split layer
