@@ -27,6 +27,7 @@ the pattern), and with ``use_default_specs: false`` only blocks whose every line
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import re
@@ -601,9 +602,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     return gm
 
 
-def parallelize(
-    model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGroups, tc: TensorParallelConfig
-) -> tuple[fx.GraphModule, TensorParallelPlan]:
+def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGroups, tc: TensorParallelConfig) -> tuple[fx.GraphModule, TensorParallelPlan]:
     """Capture, find the blocks, rewrite the graph and partition ``model``'s parameters in place."""
     tp = groups.tp_size
     gm = capture(model, args, kwargs)
@@ -681,9 +680,7 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     }
     for key, clash in clashes.items():
         if clash:
-            raise DSCompileConfigError(
-                SECTION, f"tensor parallelism together with {key} is not built yet", f"remove {key} or the tensor_parallel section"
-            )
+            raise DSCompileConfigError(SECTION, f"tensor parallelism together with {key} is not built yet", f"remove {key} or the tensor_parallel section")
 
 
 class TensorParallelExtension(EngineExtension):
@@ -704,7 +701,9 @@ class TensorParallelExtension(EngineExtension):
             with torch.no_grad():  # every rank slices the same full weights
                 for tensor in list(engine.module.parameters()) + list(engine.module.buffers()):
                     dist.broadcast(tensor, src=0)
-        options = engine.config if getattr(engine, "compiles_model", False) else None
+        # the split graph compiles under the engine's config, less this section (the frontend refuses it on its own)
+        options = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != SECTION})
+        options = options if getattr(engine, "compiles_model", False) else None
         engine.compiles_model = False  # type: ignore[attr-defined]  # the module compiles its split graph itself
         self.module = TensorParallelModule(engine.module, groups, self.tc, options)
         engine.compile_target = self.module  # type: ignore[attr-defined]

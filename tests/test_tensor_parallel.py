@@ -28,7 +28,41 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str, Any]:
+def checkpoint_round_trip(rank: int, save_dir: str) -> dict[str, Any]:
+    """Save a TP=2 engine, consolidate with zero-to-fp32, resume into a new engine (own slices, optimizer too)."""
+    import dscompile
+    from dscompile.runtime.zero_checkpoint import zero_to_fp32
+    from dscompile.zoo import build, make_batch
+
+    cfg = {"optimizer": ADAMW, "tensor_parallel": {"autotp_size": 2}, "lower": "eager"}
+    engines = []
+    for _ in range(2):
+        case = build("gpt", seed=3 + len(engines), **CASES["gpt"])  # the second starts from other weights
+        engines.append(dscompile.initialize(model=case.model, config=cfg)[0])
+    first, second = engines
+    for step in range(2):
+        first.backward(first(*make_batch(case, seed=step)))
+        first.step()
+    first.save_checkpoint(save_dir, tag="t")
+    consolidated = zero_to_fp32(save_dir) if rank == 0 else {}
+    full = first.full_parameters()
+    second(*make_batch(case, seed=0))  # its first batch splits it; then it loads its own slices and AdamW states
+    second.load_checkpoint(save_dir, tag="t")
+    batch = make_batch(case, seed=5)
+    for engine in engines:
+        engine.backward(engine(*batch))
+        engine.step()
+    after = [e.full_parameters() for e in engines]
+    return {
+        "consolidated_err": max((float((consolidated[n] - full[n]).abs().max()) for n in full), default=0.0) if rank == 0 else 0.0,
+        "consolidated_names": sorted(consolidated) if rank == 0 else sorted(full),
+        "names": sorted(full),
+        "resume_err": max(float((after[0][n] - after[1][n]).abs().max()) for n in full),
+        "steps": second.global_steps,
+    }
+
+
+def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict[str, Any], str | None]], save_dir: str) -> dict[str, Any]:
     import dscompile
     from dscompile.zoo import build, make_batch
 
@@ -71,6 +105,7 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict[str, Any
             "blocks_split": len(plan.split),
             "blocks_replicated": plan.replicated,
         }
+    out["checkpoint"] = checkpoint_round_trip(rank, save_dir)
     return out
 
 
@@ -84,9 +119,12 @@ RUNS = [("llama", SGD, None), ("hf_gpt2", SGD, None), ("hf_llama", SGD, "eager")
 @pytest.mark.distributed
 @pytest.mark.slow
 @requires_backend("gloo")
-def test_tp2_equals_single_process() -> None:
-    results = run_distributed_or_fail(train_and_compare, 2, RUNS, timeout=600)
+def test_tp2_equals_single_process(tmp_path) -> None:
+    results = run_distributed_or_fail(train_and_compare, 2, RUNS, str(tmp_path), timeout=600)
     for rank_result in results:
+        ckpt = rank_result.pop("checkpoint")
+        assert ckpt["consolidated_names"] == ckpt["names"] and ckpt["consolidated_err"] == 0.0  # zero-to-fp32 joins the slices
+        assert ckpt["resume_err"] == 0.0 and ckpt["steps"] == 3  # resumed: weights, AdamW states and counters
         assert len(rank_result) == len(RUNS)
         for key, r in rank_result.items():
             name = r["name"]

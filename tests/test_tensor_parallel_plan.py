@@ -86,3 +86,9 @@ def test_layer_specs_override_and_refuse_contradictions(gpt_blocks) -> None:
         apply_layer_specs(list(blocks), [], wrong, names)
     only = PartitionConfig(use_default_specs=False, layer_specs=[LayerSpec([r"mlp\.fc"], "column"), LayerSpec([r"mlp\.proj"], "row")])
     assert [b.row.weight for b in apply_layer_specs(list(blocks), [], only, names)] == ["blocks.0.mlp.proj.weight"]
+
+
+def test_plain_compile_refuses_tensor_parallel() -> None:
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend="dscompile", options={"tensor_parallel": {"autotp_size": 2}})
+    with pytest.raises(Exception, match="only an engine can own"):
+        compiled(torch.ones(2))

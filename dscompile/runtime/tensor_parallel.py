@@ -131,8 +131,74 @@ class TensorParallelGradients(DataParallelGradients):
             out[name] = spec.assemble(gather_slices(p.detach(), self.groups)) if spec is not None else p.detach().clone()
         return out
 
+    # -- checkpoints: one file per TP rank (DeepSpeed's mp_rank_XX names), written by DP rank 0 --------
     def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
-        raise NotImplementedError("checkpoints of tensor-parallel engines are not built yet (the slices' layout is in engine.extension('tensor_parallel').plan)")
+        """``mp_rank_{tp:02d}_model_states.pt``: this rank's slices, optimizer, the core's share, and the slicing."""
+        specs = self._slices()
+        if not specs:
+            raise RuntimeError("save_checkpoint before the first batch: the model is not split yet (train one step first)")
+        if self.groups.dp_rank != 0:
+            return  # DP replicas hold the same slices and optimizer states
+        state = {
+            "module": self.module.state_dict(),
+            "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+            **engine.core_state_dict(client_state),
+            "tensor_parallel": {
+                "tp_size": self.groups.tp_size,
+                "tp_rank": self.groups.tp_rank,
+                "slices": {n: {"dim": sp.dim, "blocks": sp.blocks} for n, sp in specs.items()},
+            },
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        ckpt.save(state, tp_file_name(self.groups.tp_rank))
 
-    def load_checkpoint(self, engine: EngineCore, directory: Any, *args: Any) -> dict | None:
-        raise NotImplementedError("checkpoints of tensor-parallel engines are not built yet")
+    def load_checkpoint(
+        self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+    ) -> dict | None:
+        """Each rank its own file when the model is already split on the same TP size; the consolidated
+        weights otherwise (before the first batch, any TP size: the first batch then splits them)."""
+        from dscompile.runtime.checkpoint_io import CheckpointReader
+
+        reader = CheckpointReader(directory)
+        own: dict[str, Any] = reader.load(tp_file_name(0))
+        saved_tp = own["tensor_parallel"]["tp_size"]
+        if self._slices():
+            if saved_tp != self.groups.tp_size:
+                raise RuntimeError(
+                    f"{directory} was saved with TP={saved_tp}, this engine is split {self.groups.tp_size} ways: load it before the first batch "
+                    "(the consolidated weights are then split anew) or consolidate it with `dscompile zero-to-fp32`"
+                )
+            own = reader.load(tp_file_name(self.groups.tp_rank)) if self.groups.tp_rank else own
+            self.module.load_state_dict(own["module"])
+            if not load_module_only and load_optimizer_states and engine.optimizer is not None and own["optimizer"] is not None:
+                engine.optimizer.load_state_dict(own["optimizer"])
+        else:
+            self.module.load_state_dict(consolidate(reader))
+            if not load_module_only and load_optimizer_states and own["optimizer"] is not None and own["optimizer"]["state"]:
+                raise RuntimeError(
+                    "loading optimizer states into a tensor-parallel engine before its first batch is not built: "
+                    "pass load_optimizer_states=False, or run one batch first and load then"
+                )
+        if not load_module_only:
+            engine.load_core_state_dict(own, load_lr_scheduler_states)
+        return own["client_state"]
+
+
+def tp_file_name(tp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def is_tensor_parallel_checkpoint(names: list[str]) -> bool:
+    return tp_file_name(1) in names
+
+
+def consolidate(reader: Any) -> dict[str, torch.Tensor]:
+    """The full ``state_dict`` of a tensor-parallel checkpoint: every TP rank's slices joined."""
+    first = reader.load(tp_file_name(0))
+    meta = first["tensor_parallel"]
+    files = [first] + [reader.load(tp_file_name(r)) for r in range(1, meta["tp_size"])]
+    out: dict[str, torch.Tensor] = {}
+    for name, value in first["module"].items():
+        spec = meta["slices"].get(name)
+        out[name] = SliceSpec(spec["dim"], spec["blocks"]).assemble([f["module"][name] for f in files]) if spec is not None else value
+    return out

@@ -37,6 +37,7 @@ from dscompile.runtime.checkpoint_io import (
     read_latest,
 )
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
+from dscompile.runtime.tensor_parallel import consolidate, is_tensor_parallel_checkpoint
 
 log = logging.getLogger("dscompile.zero_checkpoint")
 
@@ -99,6 +100,8 @@ def checkpoint_kind(directory: Path) -> str:
 
     if (directory / MANIFEST).is_file():
         reader = CheckpointReader(directory)
+        if is_tensor_parallel_checkpoint(reader.names()):
+            return "dscompile-tp"
         if reader.has(shard_name(0)):
             return "dscompile-zero"
         if reader.has(MODEL_STATES):
@@ -493,6 +496,8 @@ def zero_to_fp32(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str
         full = deepspeed_checkpoint.read_full_state(directory, optimizer=False)
     elif kind == "dscompile-zero":
         full = _full_state_of_zero(CheckpointReader(directory))
+    elif kind == "dscompile-tp":
+        return {k: v.float() if v.is_floating_point() else v for k, v in consolidate(CheckpointReader(directory)).items()}
     elif kind == "dscompile-full":
         raise CheckpointError(f"{directory} was saved without ZeRO: {MODEL_STATES} already holds the whole model under 'module'")
     else:
