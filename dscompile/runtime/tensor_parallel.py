@@ -1,7 +1,7 @@
 """What tensor parallelism runs outside the pass: its collectives, the partitioned module, its gradients.
 
 - ``tp_copy`` / ``tp_reduce``: Megatron's *f* and *g* as autograd functions over functional collectives
-  (``torch.distributed._functional_collectives``), so Dynamo and AOTAutograd trace them into the graphs as
+  (``torch.ops._c10d_functional``), so Dynamo and AOTAutograd trace them into the graphs as
   ``_c10d_functional.all_reduce`` + ``wait_tensor``: ``tp_copy`` (before the column-parallel linears of a
   block) is the identity forward and an all-reduce of the input's gradient backward; ``tp_reduce`` (after
   the row-parallel linear) all-reduces the partial outputs forward and passes the gradient through backward.
@@ -18,12 +18,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.engine_core import EngineCore
 from dscompile.runtime.process_groups import ProcessGroups
+
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum over the TP group as one functional collective and its wait (graph nodes once traced)."""
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -34,13 +39,13 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
