@@ -43,7 +43,7 @@ from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
-from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, gather_slices, tp_copy, tp_reduce
+from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, TensorParallelOver, gather_slices, tp_copy, tp_reduce
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
 aten = torch.ops.aten
@@ -635,8 +635,11 @@ class TensorParallelModule(nn.Module):
     group's first rank (DeepSpeed leaves this to the data loader, and gets it wrong silently when it is).
     """
 
-    def __init__(self, model: nn.Module, groups: ProcessGroups, tc: TensorParallelConfig, compile_options: Any) -> None:
+    def __init__(
+        self, model: nn.Module, groups: ProcessGroups, tc: TensorParallelConfig, compile_options: Any, after_split: Any = None
+    ) -> None:
         super().__init__()
+        self.after_split = after_split
         self.model = model
         self.groups = groups
         self.tc = tc
@@ -656,6 +659,8 @@ class TensorParallelModule(nn.Module):
         signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
         if self._graph is None:
             gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
+            if self.after_split is not None:
+                self.after_split()
             self._signature = signature
             self._graph = torch.compile(gm, backend="dscompile", options=self.compile_options) if self.compile_options is not None else gm
         elif signature != self._signature:
@@ -672,7 +677,8 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     sections = engine.config.sections
     zero = sections.get("zero_optimization")
     clashes = {
-        "zero_optimization": zero is not None and zero.stage > 0,
+        "zero_optimization stages 2 and 3": zero is not None and zero.stage > 1,
+        "gradient_clipping under ZeRO": zero is not None and zero.stage > 0 and engine.config.gradient_clipping > 0,
         "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
         "activation_checkpointing": sections.get("activation_checkpointing") is not None,
         "bf16": getattr(sections.get("bf16"), "enabled", False),
@@ -705,10 +711,20 @@ class TensorParallelExtension(EngineExtension):
         options = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != SECTION})
         options = options if getattr(engine, "compiles_model", False) else None
         engine.compiles_model = False  # type: ignore[attr-defined]  # the module compiles its split graph itself
-        self.module = TensorParallelModule(engine.module, groups, self.tc, options)
+        self.module = TensorParallelModule(engine.module, groups, self.tc, options, self._after_split)
         engine.compile_target = self.module  # type: ignore[attr-defined]
         engine.process_groups = groups  # type: ignore[attr-defined]
         engine.gradients = TensorParallelGradients(engine.module, groups, self.slices)
+        self.engine = engine
+        # extensions that partition parameters themselves (ZeRO-1) append here: run once the model is split
+        engine.after_parameters_split = []  # type: ignore[attr-defined]
+
+    def _after_split(self) -> None:
+        engine = self.engine
+        for callback in engine.after_parameters_split:  # type: ignore[attr-defined]
+            callback()
+        if not isinstance(engine.gradients, TensorParallelGradients):  # ZeRO-1 took over: gather its TP slices too
+            engine.gradients = TensorParallelOver(engine.gradients, self.groups, self.slices)  # type: ignore[arg-type]
 
     @property
     def plan(self) -> TensorParallelPlan | None:

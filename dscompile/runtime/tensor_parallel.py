@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.runtime.data_parallel import DataParallelGradients
-from dscompile.runtime.engine_core import EngineCore
+from dscompile.runtime.engine_core import EngineCore, GradientStrategy
 from dscompile.runtime.process_groups import ProcessGroups
 
 
@@ -187,6 +187,49 @@ class TensorParallelGradients(DataParallelGradients):
         if not load_module_only:
             engine.load_core_state_dict(own, load_lr_scheduler_states)
         return own["client_state"]
+
+
+class TensorParallelOver(GradientStrategy):
+    """Another strategy (ZeRO-1 over the DP group) running on TP slices: its work, with full parameters assembled over TP."""
+
+    def __init__(self, inner: GradientStrategy, groups: ProcessGroups, slices: Callable[[], dict[str, SliceSpec]]) -> None:
+        self.inner = inner
+        self.groups = groups
+        self._slices = slices
+        self.name = f"tensor_parallel+{inner.name}"
+
+    def __getattr__(self, name: str) -> Any:  # everything not overridden is the inner strategy's
+        return getattr(self.__dict__["inner"], name)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return self.inner.trainable_parameters()
+
+    def reduce(self, engine: EngineCore) -> None:
+        self.inner.reduce(engine)
+
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        raise NotImplementedError("gradient clipping with tensor parallelism under ZeRO is not built (refused at configuration)")
+
+    def after_optimizer_step(self, engine: EngineCore) -> None:
+        self.inner.after_optimizer_step(engine)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        specs = self._slices()
+        return {
+            n: specs[n].assemble(gather_slices(v, self.groups)) if n in specs else v for n, v in self.inner.full_parameters().items()
+        }
+
+    def model_state_tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        return self.inner.model_state_tensors(optimizer)
+
+    def failure_context(self, rank: int, what: str) -> Any:
+        return self.inner.failure_context(rank, what)
+
+    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+        raise NotImplementedError("checkpoints of tensor parallelism under ZeRO are not built yet")
 
 
 def tp_file_name(tp_rank: int) -> str:
