@@ -23,6 +23,14 @@ block can be split, the engine refuses to start. ``partition_config.layer_specs`
 over parameter names, ``partition_type`` ``column`` / ``row`` / ``skip``) overrides the choice: ``skip``
 keeps a block replicated, ``column``/``row`` must agree with what the graph allows (else an error names
 the pattern), and with ``use_default_specs: false`` only blocks whose every linear is named are split.
+
+The engine's part (``TensorParallelExtension``): TP × DP groups (``runtime/process_groups.py``), every
+batch broadcast within its TP group, gradients averaged over the DP group only
+(``TensorParallelGradients``), and ZeRO-1 over the DP group: the ZeRO extension hands its partitioning
+to ``engine.after_parameters_split``, run once the first batch split the model, so it shards the TP
+slices. The pass runs on the exported graph *before* the dscompile pipeline (it changes parameter
+shapes, which Dynamo would otherwise guard on); the split graph then compiles through the usual
+pipeline and lowering.
 """
 
 from __future__ import annotations

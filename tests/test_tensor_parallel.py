@@ -67,15 +67,18 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict[str, Any
     from dscompile.zoo import build, make_batch
 
     out: dict[str, Any] = {}
-    for name, optimizer, lower in runs:
-        case, ref = build(name, seed=3, **CASES[name]), build(name, seed=3, **CASES[name])
+    for name, optimizer, lower, clip in runs:
+        model = CASES[name] | ({"attention": "explicit"} if clip else {})  # the clipped run also takes the explicit-softmax form
+        case, ref = build(name, seed=3, **model), build(name, seed=3, **model)
         full_bytes = {n: p.numel() * p.element_size() for n, p in case.model.named_parameters()}
         cfg: dict[str, Any] = {"optimizer": optimizer, "tensor_parallel": {"autotp_size": 2}}
         if lower is not None:
             cfg["lower"] = lower
+        if clip:
+            cfg["gradient_clipping"] = clip
         engine, *_ = dscompile.initialize(model=case.model, config=cfg)
         ref_opt = getattr(torch.optim, optimizer["type"])(ref.model.parameters(), lr=optimizer["params"]["lr"])
-        losses, ref_losses, grad_err = [], [], 0.0
+        losses, ref_losses, grad_err, norms = [], [], 0.0, []
         for step in range(STEPS):
             batch = make_batch(case, seed=step)
             loss = engine(*batch)
@@ -86,6 +89,8 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict[str, Any
                 grads = engine.extension("tensor_parallel").full_gradients()
                 grad_err = max(_relative(grads[n], p.grad) for n, p in ref.model.named_parameters())
             engine.step()
+            if clip:
+                norms.append((engine.get_global_grad_norm(), float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), clip))))
             ref_opt.step()
             ref_opt.zero_grad()
             losses.append(float(loss.detach()))
@@ -94,12 +99,14 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict[str, Any
         plan = engine.extension("tensor_parallel").plan
         sliced = set(plan.slices)
         held = sum(p.numel() * p.element_size() for n, p in case.model.named_parameters() if n in sliced)
-        out[f"{name}/{optimizer['type']}/{lower or 'inductor'}"] = {
+        out[f"{name}/{optimizer['type']}/{lower or 'inductor'}/{clip}"] = {
             "losses": losses,
             "ref_losses": ref_losses,
             "grad_err": grad_err,
             "param_err": max(_relative(full[n], p.detach()) for n, p in ref.model.named_parameters()),
             "name": name,
+            "norms": norms,
+            "clip": clip,
             "optimizer": optimizer["type"],
             "held_fraction": held / sum(full_bytes[n] for n in sliced),
             "blocks_split": len(plan.split),
@@ -113,7 +120,14 @@ SGD = {"type": "SGD", "params": {"lr": 0.1}}
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
 # Inductor (the default lowering) for the GQA Llama; the others under the eager lowering, to keep the test's
 # compile time within budget (the same split graph reaches either lowering; all four pass under Inductor too).
-RUNS = [("llama", SGD, None), ("hf_gpt2", SGD, "eager"), ("hf_llama", SGD, "eager"), ("gpt", ADAMW, "eager")]
+# (model, optimizer, lowering, gradient_clipping)
+RUNS = [
+    ("llama", SGD, None, 0.0),
+    ("hf_gpt2", SGD, "eager", 0.0),
+    ("hf_llama", SGD, "eager", 0.0),
+    ("gpt", ADAMW, "eager", 0.0),
+    ("gpt", SGD, "eager", 0.05),  # clipped by the global norm (TP slices summed over the group)
+]
 
 
 @pytest.mark.distributed
@@ -134,6 +148,8 @@ def test_tp2_equals_single_process(tmp_path) -> None:
             assert r["grad_err"] < 1e-5, (key, r["grad_err"])
             assert r["param_err"] < tol, (key, r["param_err"])
             assert r["held_fraction"] == pytest.approx(0.5), key  # each rank holds half of every split layer
+            for norm, ref_norm in r["norms"]:  # the global norm (slices summed over TP), and it really clipped
+                assert norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > r["clip"], (key, norm, ref_norm)
 
 
 def tp_times_dp(rank: int, world: int) -> dict[str, Any]:

@@ -63,7 +63,8 @@ the global norm (a collective where gradients are partitioned), ``after_optimize
 (refresh replicated copies), ``zero_grad()``, ``full_parameters()``, ``model_state_tensors()``, and
 for ``DSCompileEngine`` the checkpoint layout (``save_checkpoint`` / ``load_checkpoint``). Built in:
 ``DataParallelGradients`` (``runtime/data_parallel.py``, the default), ``ZeroGradients``
-(``runtime/zero_extension.py``, installed by the ZeRO extension), ``PipelineGradients``
+(``runtime/zero_extension.py``, installed by the ZeRO extension), ``TensorParallelGradients``
+(``runtime/tensor_parallel.py``, DP over the TP × DP layout's data-parallel group), ``PipelineGradients``
 (``runtime/pipeline_gradients.py``).
 
 The step (``EngineCore.optimizer_step``, at each accumulation boundary)
