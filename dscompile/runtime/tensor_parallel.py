@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.runtime.data_parallel import DataParallelGradients
+from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy
 from dscompile.runtime.process_groups import ProcessGroups
 
@@ -153,7 +155,11 @@ class TensorParallelGradients(DataParallelGradients):
                 "tp_rank": self.groups.tp_rank,
                 "slices": {n: {"dim": sp.dim, "blocks": sp.blocks} for n, sp in specs.items()},
             },
-            "rng": {"torch": torch.get_rng_state()},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "devices": capture_rng(accelerator_devices(self.module.parameters())).to_dict(),  # dropout on a GPU draws from these
+            },
         }
         ckpt.save(state, tp_file_name(self.groups.tp_rank))
 
@@ -186,6 +192,9 @@ class TensorParallelGradients(DataParallelGradients):
                 )
         if not load_module_only:
             engine.load_core_state_dict(own, load_lr_scheduler_states)
+            torch.set_rng_state(own["rng"]["torch"])
+            restore_rng(RngState.from_dict(own["rng"]["devices"]))
+            random.setstate(own["rng"]["python"])
         return own["client_state"]
 
 
