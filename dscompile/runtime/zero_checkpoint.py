@@ -92,7 +92,8 @@ def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None
 
 
 def checkpoint_kind(directory: Path) -> str:
-    """What wrote ``directory``: ``dscompile-zero``, ``dscompile-full`` (no ZeRO), ``deepspeed``, ``pipeline``.
+    """What wrote ``directory``: ``dscompile-zero``, ``dscompile-full`` (no ZeRO), ``dscompile-tp`` (tensor-parallel slices),
+    ``deepspeed``, ``pipeline``.
 
     dscompile's own checkpoints carry ``manifest.json`` (``checkpoint_io``); DeepSpeed's do not.
     """
@@ -134,6 +135,9 @@ def describe_checkpoint(directory: Path) -> str:
         if kind == "dscompile-full":
             state = CheckpointReader(directory).load(MODEL_STATES)
             return f"a dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)"
+        if kind == "dscompile-tp":
+            tp = CheckpointReader(directory).load(MODEL_STATES)["tensor_parallel"]
+            return f"a dscompile tensor-parallel checkpoint (TP={tp['tp_size']} slices)"
         return "a PipelineEngine checkpoint"
     except CheckpointError as exc:
         return f"not a readable checkpoint ({exc})"
