@@ -655,6 +655,7 @@ class TensorParallelModule(nn.Module):
         self.plan: TensorParallelPlan | None = None
         self._graph: Any = None
         self._signature: Any = None
+        self._training = True
 
     def _broadcast_batch(self, values: list[Any]) -> None:
         if self.groups.tp_size > 1:
@@ -670,7 +671,15 @@ class TensorParallelModule(nn.Module):
             if self.after_split is not None:
                 self.after_split()
             self._signature = signature
+            self._training = self.model.training
             self._graph = torch.compile(gm, backend="dscompile", options=self.compile_options) if self.compile_options is not None else gm
+        elif self._training != self.model.training:
+            raise DSCompileConfigError(
+                "tensor_parallel",
+                f"the graph was captured and split in {'training' if self._training else 'eval'} mode (dropout baked in); "
+                f"the model is now in {'training' if self.model.training else 'eval'} mode",
+                "keep one mode per engine: switching train/eval after the first batch is not built under tensor parallelism",
+            )
         elif signature != self._signature:
             raise DSCompileConfigError(
                 "tensor_parallel",

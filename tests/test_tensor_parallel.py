@@ -31,6 +31,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def checkpoint_round_trip(rank: int, save_dir: str) -> dict[str, Any]:
     """Save a TP=2 engine, consolidate with zero-to-fp32, resume into a new engine (own slices, optimizer too)."""
     import dscompile
+    from dscompile.errors import DSCompileConfigError
     from dscompile.runtime.zero_checkpoint import zero_to_fp32
     from dscompile.zoo import build, make_batch
 
@@ -53,12 +54,19 @@ def checkpoint_round_trip(rank: int, save_dir: str) -> dict[str, Any]:
         engine.backward(engine(*batch))
         engine.step()
     after = [e.full_parameters() for e in engines]
+    second.eval()  # the graph was captured in training mode (dropout baked in): refused, not silently trained-mode
+    try:
+        second(*batch)
+        eval_refused = False
+    except DSCompileConfigError:
+        eval_refused = True
     return {
         "consolidated_err": max((float((consolidated[n] - full[n]).abs().max()) for n in full), default=0.0) if rank == 0 else 0.0,
         "consolidated_names": sorted(consolidated) if rank == 0 else sorted(full),
         "names": sorted(full),
         "resume_err": max(float((after[0][n] - after[1][n]).abs().max()) for n in full),
         "steps": second.global_steps,
+        "eval_refused": eval_refused,
     }
 
 
@@ -139,6 +147,7 @@ def test_tp2_equals_single_process(tmp_path) -> None:
         ckpt = rank_result.pop("checkpoint")
         assert set(ckpt["names"]) <= set(ckpt["consolidated_names"]) and ckpt["consolidated_err"] == 0.0  # zero-to-fp32 joins the slices
         assert ckpt["resume_err"] == 0.0 and ckpt["steps"] == 3  # resumed: weights, AdamW states and counters
+        assert ckpt["eval_refused"]
         assert len(rank_result) == len(RUNS)
         for key, r in rank_result.items():
             name = r["name"]
