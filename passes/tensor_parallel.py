@@ -643,9 +643,7 @@ class TensorParallelModule(nn.Module):
     group's first rank (DeepSpeed leaves this to the data loader, and gets it wrong silently when it is).
     """
 
-    def __init__(
-        self, model: nn.Module, groups: ProcessGroups, tc: TensorParallelConfig, compile_options: Any, after_split: Any = None
-    ) -> None:
+    def __init__(self, model: nn.Module, groups: ProcessGroups, tc: TensorParallelConfig, compile_options: Any, after_split: Any = None) -> None:
         super().__init__()
         self.after_split = after_split
         self.model = model
@@ -653,7 +651,9 @@ class TensorParallelModule(nn.Module):
         self.tc = tc
         self.compile_options = compile_options
         self.plan: TensorParallelPlan | None = None
-        self._graph: Any = None
+        # the split graph, kept out of the module tree: an exported module refuses train()/eval(), and the mode
+        # is checked against the captured one instead
+        self.__dict__["_graph"] = None
         self._signature: Any = None
         self._training = True
 
@@ -672,7 +672,7 @@ class TensorParallelModule(nn.Module):
                 self.after_split()
             self._signature = signature
             self._training = self.model.training
-            self._graph = torch.compile(gm, backend="dscompile", options=self.compile_options) if self.compile_options is not None else gm
+            self.__dict__["_graph"] = torch.compile(gm, backend="dscompile", options=self.compile_options) if self.compile_options is not None else gm
         elif self._training != self.model.training:
             raise DSCompileConfigError(
                 "tensor_parallel",

@@ -227,9 +227,7 @@ class TensorParallelOver(GradientStrategy):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         specs = self._slices()
-        return {
-            n: specs[n].assemble(gather_slices(v, self.groups)) if n in specs else v for n, v in self.inner.full_parameters().items()
-        }
+        return {n: specs[n].assemble(gather_slices(v, self.groups)) if n in specs else v for n, v in self.inner.full_parameters().items()}
 
     def model_state_tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
         return self.inner.model_state_tensors(optimizer)
