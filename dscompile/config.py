@@ -164,7 +164,6 @@ def _declare_unbuilt(key: str, capability: str, is_disabled: Callable[[Any], boo
 # DeepSpeed sections whose capabilities are not built yet. Present and enabled -> refused.
 for _key, _capability in {
     "amp": "apex AMP",
-    "tensor_parallel": "tensor parallelism",
     "quantize_training": "quantized training",
     "data_efficiency": "data efficiency",
     "curriculum_learning": "curriculum learning",

@@ -205,25 +205,6 @@ _checked_section(
 )  # fmt: skip
 
 
-def _check_tensor_parallel(path: str, section: Mapping[str, Any]) -> None:
-    _refuse_when(f"{path}.autotp_size", (section.get("autotp_size") or 0) > 1, "tensor parallelism")
-    tp = _expect_mapping(f"{path}.tp", section.get("tp", {}))
-    _check_keys(f"{path}.tp", tp, ("tp_size", "tp_grain_size", "mpu", "tp_group"))
-    _refuse_when(f"{path}.tp.tp_size", (tp.get("tp_size") or 1) > 1, "tensor parallelism")
-
-
-_checked_section(
-    "tensor_parallel",
-    "tensor parallelism",
-    (
-        "dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "tp",
-        "injection_policy_tuple", "partition_config", "preset_model", "keep_module_on_host", "kernel_inject",
-        "replace_with_kernel_inject",
-    ),
-    _check_tensor_parallel,
-)  # fmt: skip
-
-
 def _check_timers(path: str, section: Mapping[str, Any]) -> None:
     """DeepSpeed's throughput timer prints samples/s every ``steps_per_print``; a report only."""
     throughput = _expect_mapping(f"{path}.throughput", section.get("throughput", {}))

@@ -166,7 +166,13 @@ class DSCompileEngine(nn.Module, EngineCore):
         directory = resolve_checkpoint_dir(load_dir, tag)  # says which tags exist when this one does not
         from dscompile.runtime import zero_checkpoint
 
-        if getattr(self, "zero", None) is not None or zero_checkpoint.checkpoint_kind(directory) != "dscompile-full":  # ZeRO, DeepSpeed's, re-layout
+        kind = zero_checkpoint.checkpoint_kind(directory)
+        if kind == "dscompile-tp" and getattr(self, "process_groups", None) is None:
+            raise zero_checkpoint.CheckpointError(
+                f"{directory} holds tensor-parallel slices; load it into an engine with the tensor_parallel section, "
+                "or consolidate it first with `dscompile zero-to-fp32`"
+            )
+        if getattr(self, "zero", None) is not None or kind not in ("dscompile-full", "dscompile-tp"):  # ZeRO, DeepSpeed's, re-layout
             return str(directory), zero_checkpoint.load_into(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         client = self.gradients.load_checkpoint(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return str(directory), client

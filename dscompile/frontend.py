@@ -259,6 +259,13 @@ def dscompile_backend(
 
         raise DSCompileConfigError(next(iter(unexpected)), "is not an argument of the dscompile backend", "pass settings inside options={...}")
     config = load_config(options)
+    tp = config.sections.get("tensor_parallel")
+    if tp is not None and getattr(tp, "enabled", False):
+        from dscompile.errors import DSCompileConfigError
+
+        raise DSCompileConfigError(
+            "tensor_parallel", "splits the model's parameters, which only an engine can own", "use dscompile.initialize(model=..., config=...)"
+        )
     invocations = pipeline_from_config(config)
     dumper = None
     if config.dump:

@@ -32,13 +32,18 @@ class DataParallelGradients(GradientStrategy):
 
     name = "data_parallel"
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, group: Any = None, group_ranks: list[int] | None = None) -> None:
+        """``group``: the data-parallel group (default the world; tensor parallelism passes its DP group)."""
         self.module = module
+        self.group = group
         self.world_size, self.rank = world_info()
+        if group_ranks is not None:
+            self.world_size = len(group_ranks)
         if self.world_size > 1:
+            src = group_ranks[0] if group_ranks is not None else 0
             with torch.no_grad():
                 for tensor in list(module.parameters()) + list(module.buffers()):
-                    dist.broadcast(tensor, src=0)
+                    dist.broadcast(tensor, src=src, group=group)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -65,7 +70,7 @@ class DataParallelGradients(GradientStrategy):
         elif config.gradient_predivide_factor != 1.0:
             values /= config.gradient_predivide_factor
         with engine.comm_stats.timed("data_parallel", "all_reduce", tensor_bytes(flat)):
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.group)
         if not config.prescale_gradients:
             values /= self.world_size / config.gradient_predivide_factor
         counts = [round(c) for c in flat[-len(params) :].tolist()]

@@ -63,7 +63,8 @@ the global norm (a collective where gradients are partitioned), ``after_optimize
 (refresh replicated copies), ``zero_grad()``, ``full_parameters()``, ``model_state_tensors()``, and
 for ``DSCompileEngine`` the checkpoint layout (``save_checkpoint`` / ``load_checkpoint``). Built in:
 ``DataParallelGradients`` (``runtime/data_parallel.py``, the default), ``ZeroGradients``
-(``runtime/zero_extension.py``, installed by the ZeRO extension), ``PipelineGradients``
+(``runtime/zero_extension.py``, installed by the ZeRO extension), ``TensorParallelGradients``
+(``runtime/tensor_parallel.py``, DP over the TP × DP layout's data-parallel group), ``PipelineGradients``
 (``runtime/pipeline_gradients.py``).
 
 The step (``EngineCore.optimizer_step``, at each accumulation boundary)
@@ -404,8 +405,10 @@ class EngineCore:
         return self.config.accumulation_steps
 
     def data_parallel_world_size(self) -> int:
-        """Ranks that train on different data (every rank here; a pipeline engine counts pipelines)."""
-        return self.world_size
+        """Ranks that train on different data (every rank here; a pipeline engine counts pipelines;
+        tensor parallelism counts its DP group)."""
+        groups = getattr(self, "process_groups", None)
+        return groups.dp_size if groups is not None else self.world_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
         micro = self.config.train_micro_batch_size_per_gpu

@@ -37,6 +37,7 @@ from dscompile.runtime.checkpoint_io import (
     read_latest,
 )
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
+from dscompile.runtime.tensor_parallel import consolidate, is_tensor_parallel_checkpoint
 
 log = logging.getLogger("dscompile.zero_checkpoint")
 
@@ -91,7 +92,8 @@ def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None
 
 
 def checkpoint_kind(directory: Path) -> str:
-    """What wrote ``directory``: ``dscompile-zero``, ``dscompile-full`` (no ZeRO), ``deepspeed``, ``pipeline``.
+    """What wrote ``directory``: ``dscompile-zero``, ``dscompile-full`` (no ZeRO), ``dscompile-tp`` (tensor-parallel slices),
+    ``deepspeed``, ``pipeline``.
 
     dscompile's own checkpoints carry ``manifest.json`` (``checkpoint_io``); DeepSpeed's do not.
     """
@@ -99,6 +101,8 @@ def checkpoint_kind(directory: Path) -> str:
 
     if (directory / MANIFEST).is_file():
         reader = CheckpointReader(directory)
+        if is_tensor_parallel_checkpoint(reader.names()):
+            return "dscompile-tp"
         if reader.has(shard_name(0)):
             return "dscompile-zero"
         if reader.has(MODEL_STATES):
@@ -131,6 +135,9 @@ def describe_checkpoint(directory: Path) -> str:
         if kind == "dscompile-full":
             state = CheckpointReader(directory).load(MODEL_STATES)
             return f"a dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)"
+        if kind == "dscompile-tp":
+            tp = CheckpointReader(directory).load(MODEL_STATES)["tensor_parallel"]
+            return f"a dscompile tensor-parallel checkpoint (TP={tp['tp_size']} slices)"
         return "a PipelineEngine checkpoint"
     except CheckpointError as exc:
         return f"not a readable checkpoint ({exc})"
@@ -493,6 +500,8 @@ def zero_to_fp32(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str
         full = deepspeed_checkpoint.read_full_state(directory, optimizer=False)
     elif kind == "dscompile-zero":
         full = _full_state_of_zero(CheckpointReader(directory))
+    elif kind == "dscompile-tp":
+        return {k: v.float() if v.is_floating_point() else v for k, v in consolidate(CheckpointReader(directory)).items()}
     elif kind == "dscompile-full":
         raise CheckpointError(f"{directory} was saved without ZeRO: {MODEL_STATES} already holds the whole model under 'module'")
     else:

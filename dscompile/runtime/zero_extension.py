@@ -169,12 +169,26 @@ class ZeroExtension(EngineExtension):
         zc = self.zc
         if engine.optimizer is not None:
             check_zero_optimizer(engine.optimizer, bool(engine.config.zero_allow_untested_optimizer))
+        params_or_error(engine.module, needs_training=True)
+        later = getattr(engine, "after_parameters_split", None)
+        if later is not None:  # tensor parallelism reshapes the parameters at the first batch: partition its slices then
+            if zc.stage != 1:
+                raise DSCompileConfigError(
+                    "zero_optimization.stage", f"ZeRO-{zc.stage} with tensor parallelism is not built yet", "use stage 1 with tensor_parallel"
+                )
+            later.append(lambda: self._partition(engine))
+            return
+        self._partition(engine)
+
+    def _partition(self, engine: EngineCore) -> None:
+        zc = self.zc
         params = params_or_error(engine.module, needs_training=True)
         threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
+        groups = getattr(engine, "process_groups", None)  # ZeRO shards over the data-parallel group only
         self.partition = ZeroPartition(
             engine.module,
             zc.stage,
-            None,
+            groups.dp_group if groups is not None else None,
             threshold,
             bucket_bytes=zc.reduce_bucket_size * params[0].element_size(),
             model_persistence_threshold=zc.stage3_model_persistence_threshold if zc.stage == 3 else None,
@@ -186,4 +200,6 @@ class ZeroExtension(EngineExtension):
             engine.compile_target = ZeroModule(engine.module, self.partition)  # type: ignore[attr-defined]
         if engine.optimizer is not None:
             engine.optimizer = shard_optimizer(engine.optimizer, self.partition)
+            if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "optimizer"):
+                engine.lr_scheduler.optimizer = engine.optimizer
         engine.gradients = ZeroGradients(self.partition, zc.ignore_unused_parameters)

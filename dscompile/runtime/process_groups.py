@@ -1,0 +1,101 @@
+"""The TP × DP × PP process-group layout, as DeepSpeed and Megatron lay it out (TP innermost).
+
+Global rank ``r`` sits at ``(pp, dp, tp)`` with ``r = (pp * dp_size + dp) * tp_size + tp``: the ranks of
+one tensor-parallel group are consecutive (on one node, where bandwidth is highest), the data-parallel
+group joins the ranks holding the same slices, and pipeline stages are the outermost stride. Every
+rank creates every group (``dist.new_group`` is collective) in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from dscompile.errors import DSCompileConfigError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes and this rank's coordinates; pure arithmetic, no process groups."""
+
+    world_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.pp_size < 1 or self.world_size % (self.tp_size * self.pp_size) != 0:
+            raise DSCompileConfigError(
+                "tensor_parallel.autotp_size",
+                f"the world size {self.world_size} is not a multiple of tensor-parallel size {self.tp_size} × pipeline stages {self.pp_size}",
+                "choose sizes whose product divides the number of ranks",
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp_size * self.pp_size)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(pp, dp, tp)`` of global ``rank``."""
+        tp = rank % self.tp_size
+        dp = (rank // self.tp_size) % self.dp_size
+        pp = rank // (self.tp_size * self.dp_size)
+        return pp, dp, tp
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp_size + dp) * self.tp_size + tp
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(pp, dp, t) for t in range(self.tp_size)] for pp in range(self.pp_size) for dp in range(self.dp_size)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(pp, d, tp) for d in range(self.dp_size)] for pp in range(self.pp_size) for tp in range(self.tp_size)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(p, dp, tp) for p in range(self.pp_size)] for dp in range(self.dp_size) for tp in range(self.tp_size)]
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's groups (None where a group would be the whole world of one rank, or without torch.distributed)."""
+
+    layout: ParallelLayout
+    rank: int
+    tp_group: Any = None
+    dp_group: Any = None
+    pp_group: Any = None
+    tp_ranks: list[int] = field(default_factory=list)
+    dp_ranks: list[int] = field(default_factory=list)
+    pp_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coordinates(self.rank)[2]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coordinates(self.rank)[1]
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+
+def build_process_groups(tp_size: int = 1, pp_size: int = 1) -> ProcessGroups:
+    """Create the TP, DP and PP groups of the current world (every rank must call it, in the same order)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if initialized else (1, 0)
+    layout = ParallelLayout(world, tp_size, pp_size)
+    groups = ProcessGroups(layout, rank)
+    for kind, lists in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups())):
+        for ranks in lists:
+            group = dist.new_group(ranks) if initialized else None  # collective: every rank creates every group
+            if rank in ranks:
+                setattr(groups, f"{kind}_group", group)
+                setattr(groups, f"{kind}_ranks", ranks)
+    return groups

@@ -1,0 +1,259 @@
+"""What tensor parallelism runs outside the pass: its collectives, the partitioned module, its gradients.
+
+- ``tp_copy`` / ``tp_reduce``: Megatron's *f* and *g* as autograd functions over functional collectives
+  (``torch.ops._c10d_functional``), so Dynamo and AOTAutograd trace them into the graphs as
+  ``_c10d_functional.all_reduce`` + ``wait_tensor``: ``tp_copy`` (before the column-parallel linears of a
+  block) is the identity forward and an all-reduce of the input's gradient backward; ``tp_reduce`` (after
+  the row-parallel linear) all-reduces the partial outputs forward and passes the gradient through backward.
+- ``TensorParallelGradients``: data parallelism over the DP group only (TP peers hold different slices),
+  gradient clipping by the global norm (sliced parameters' squares summed over the TP group), and
+  ``full_parameters`` gathered back to the unpartitioned layout.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dscompile.runtime.data_parallel import DataParallelGradients
+from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
+from dscompile.runtime.engine_core import EngineCore, GradientStrategy
+from dscompile.runtime.process_groups import ProcessGroups
+
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum over the TP group as one functional collective and its wait (graph nodes once traced)."""
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def tp_copy(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Megatron's *f*: identity forward, all-reduce of the gradient backward (input of column-parallel linears)."""
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def tp_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Megatron's *g*: all-reduce forward (partial sums of row-parallel linears), identity backward."""
+    return _ReduceFromTensorParallel.apply(x, group)
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """How a parameter is split across the TP group: along ``dim``, in ``blocks`` equal blocks each cut in TP pieces.
+
+    ``blocks`` > 1 is a fused projection (GPT-2's ``c_attn``: q, k and v side by side), whose every
+    block is split so that each rank holds its q, k and v heads.
+    """
+
+    dim: int
+    blocks: int = 1
+
+    def take(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        pieces = full.chunk(self.blocks, dim=self.dim)
+        return torch.cat([piece.chunk(world, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+
+    def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's slice (rank order)."""
+        per_rank = [s.chunk(self.blocks, dim=self.dim) for s in slices]
+        return torch.cat([torch.cat([r[b] for r in per_rank], dim=self.dim) for b in range(self.blocks)], dim=self.dim)
+
+
+def gather_slices(tensor: torch.Tensor, groups: ProcessGroups) -> list[torch.Tensor]:
+    """Every TP rank's slice of ``tensor`` (slices have equal shapes: the pass splits evenly)."""
+    out = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
+    dist.all_gather(out, tensor.contiguous(), group=groups.tp_group)
+    return out
+
+
+class TensorParallelGradients(DataParallelGradients):
+    """Data parallelism over the DP group; sliced parameters counted once per TP group in norms."""
+
+    name = "tensor_parallel"
+
+    def __init__(self, module: nn.Module, groups: ProcessGroups, slices: Callable[[], dict[str, SliceSpec]]) -> None:
+        super().__init__(module, group=groups.dp_group, group_ranks=groups.dp_ranks)
+        self.groups = groups
+        self._slices = slices  # the pass's plan, known after the first forward captured the graph
+
+    def _sliced_ids(self) -> set[int]:
+        specs = self._slices()
+        return {id(p) for n, p in self.module.named_parameters() if n in specs}
+
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        sliced = self._sliced_ids()
+        grads = [p for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        device = grads[0].grad.device
+        sq_sliced = torch.zeros((), dtype=torch.float64, device=device)
+        sq_whole = torch.zeros((), dtype=torch.float64, device=device)
+        for p in grads:
+            sq = p.grad.detach().double().pow(2).sum()
+            if id(p) in sliced:
+                sq_sliced += sq
+            else:
+                sq_whole += sq
+        if self.groups.tp_size > 1:
+            dist.all_reduce(sq_sliced, group=self.groups.tp_group)
+        total = float((sq_sliced + sq_whole).sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in grads:
+                p.grad.mul_(coef)
+        return total
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter at its unpartitioned shape (a collective over the TP group)."""
+        specs = self._slices()
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.module.named_parameters():
+            spec = specs.get(name)
+            out[name] = spec.assemble(gather_slices(p.detach(), self.groups)) if spec is not None else p.detach().clone()
+        return out
+
+    # -- checkpoints: one file per TP rank (DeepSpeed's mp_rank_XX names), written by DP rank 0 --------
+    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+        """``mp_rank_{tp:02d}_model_states.pt``: this rank's slices, optimizer, the core's share, and the slicing."""
+        specs = self._slices()
+        if not specs:
+            raise RuntimeError("save_checkpoint before the first batch: the model is not split yet (train one step first)")
+        if self.groups.dp_rank != 0:
+            return  # DP replicas hold the same slices and optimizer states
+        state = {
+            "module": self.module.state_dict(),
+            "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+            **engine.core_state_dict(client_state),
+            "tensor_parallel": {
+                "tp_size": self.groups.tp_size,
+                "tp_rank": self.groups.tp_rank,
+                "slices": {n: {"dim": sp.dim, "blocks": sp.blocks} for n, sp in specs.items()},
+            },
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "devices": capture_rng(accelerator_devices(self.module.parameters())).to_dict(),  # dropout on a GPU draws from these
+            },
+        }
+        ckpt.save(state, tp_file_name(self.groups.tp_rank))
+
+    def load_checkpoint(
+        self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+    ) -> dict | None:
+        """Each rank its own file when the model is already split on the same TP size; the consolidated
+        weights otherwise (before the first batch, any TP size: the first batch then splits them)."""
+        from dscompile.runtime.checkpoint_io import CheckpointReader
+
+        reader = CheckpointReader(directory)
+        own: dict[str, Any] = reader.load(tp_file_name(0))
+        saved_tp = own["tensor_parallel"]["tp_size"]
+        if self._slices():
+            if saved_tp != self.groups.tp_size:
+                raise RuntimeError(
+                    f"{directory} was saved with TP={saved_tp}, this engine is split {self.groups.tp_size} ways: load it before the first batch "
+                    "(the consolidated weights are then split anew) or consolidate it with `dscompile zero-to-fp32`"
+                )
+            own = reader.load(tp_file_name(self.groups.tp_rank)) if self.groups.tp_rank else own
+            self.module.load_state_dict(own["module"])
+            if not load_module_only and load_optimizer_states and engine.optimizer is not None and own["optimizer"] is not None:
+                engine.optimizer.load_state_dict(own["optimizer"])
+        else:
+            self.module.load_state_dict(consolidate(reader))
+            if not load_module_only and load_optimizer_states and own["optimizer"] is not None and own["optimizer"]["state"]:
+                raise RuntimeError(
+                    "loading optimizer states into a tensor-parallel engine before its first batch is not built: "
+                    "pass load_optimizer_states=False, or run one batch first and load then"
+                )
+        if not load_module_only:
+            engine.load_core_state_dict(own, load_lr_scheduler_states)
+            torch.set_rng_state(own["rng"]["torch"])
+            restore_rng(RngState.from_dict(own["rng"]["devices"]))
+            random.setstate(own["rng"]["python"])
+        return own["client_state"]
+
+
+class TensorParallelOver(GradientStrategy):
+    """Another strategy (ZeRO-1 over the DP group) running on TP slices: its work, with full parameters assembled over TP."""
+
+    def __init__(self, inner: GradientStrategy, groups: ProcessGroups, slices: Callable[[], dict[str, SliceSpec]]) -> None:
+        self.inner = inner
+        self.groups = groups
+        self._slices = slices
+        self.name = f"tensor_parallel+{inner.name}"
+
+    def __getattr__(self, name: str) -> Any:  # everything not overridden is the inner strategy's
+        return getattr(self.__dict__["inner"], name)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return self.inner.trainable_parameters()
+
+    def reduce(self, engine: EngineCore) -> None:
+        self.inner.reduce(engine)
+
+    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+        raise NotImplementedError("gradient clipping with tensor parallelism under ZeRO is not built (refused at configuration)")
+
+    def after_optimizer_step(self, engine: EngineCore) -> None:
+        self.inner.after_optimizer_step(engine)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        specs = self._slices()
+        return {n: specs[n].assemble(gather_slices(v, self.groups)) if n in specs else v for n, v in self.inner.full_parameters().items()}
+
+    def model_state_tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        return self.inner.model_state_tensors(optimizer)
+
+    def failure_context(self, rank: int, what: str) -> Any:
+        return self.inner.failure_context(rank, what)
+
+    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+        raise NotImplementedError("checkpoints of tensor parallelism under ZeRO are not built yet")
+
+
+def tp_file_name(tp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def is_tensor_parallel_checkpoint(names: list[str]) -> bool:
+    return tp_file_name(1) in names
+
+
+def consolidate(reader: Any) -> dict[str, torch.Tensor]:
+    """The full ``state_dict`` of a tensor-parallel checkpoint: every TP rank's slices joined."""
+    first = reader.load(tp_file_name(0))
+    meta = first["tensor_parallel"]
+    files = [first] + [reader.load(tp_file_name(r)) for r in range(1, meta["tp_size"])]
+    out: dict[str, torch.Tensor] = {}
+    for name, value in first["module"].items():
+        spec = meta["slices"].get(name)
+        out[name] = SliceSpec(spec["dim"], spec["blocks"]).assemble([f["module"][name] for f in files]) if spec is not None else value
+    return out

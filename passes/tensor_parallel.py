@@ -1,0 +1,775 @@
+"""Tensor parallelism found from the graph: Megatron-style sharding of every transformer block it sees.
+
+The model is captured once (``torch.export``, non-strict, at the first batch) into an ATen graph. For
+every linear whose result is added to the residual stream (through dropouts and views), the pass walks
+up its input to the linears that feed it without another linear between (``q/k/v``, ``gate/up``,
+GPT-2's fused ``c_attn``) and checks that the block between them can run on a slice of the heads /
+hidden units: every op in between must keep the sliced dimension whole (views, transposes, pointwise
+ops, softmax over another dimension, batched matmuls, SDPA, rotary halves, GQA's repeat). Then:
+
+- the feeding linears become column-parallel (output features split; a fused projection that the
+  graph splits into equal parts has each part split, so each rank holds its q, k and v heads),
+- the residual-adding linear becomes row-parallel (input features split, bias added once after),
+- the view/reshape/expand shapes that carry the head count or hidden size are divided by TP,
+- ``tp_copy`` (identity forward, all-reduce of the gradient backward) goes before the block and
+  ``tp_reduce`` (all-reduce forward) after the row-parallel linear: functional-collective nodes once
+  the graph is compiled,
+- the parameters are partitioned in place: the same ``nn.Parameter`` objects (the optimizer's) now
+  hold only this rank's slice.
+
+A block the pass cannot split (heads not divisible by TP, an op it does not know, a value used outside
+the block) stays replicated, and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
+block can be split, the engine refuses to start. ``partition_config.layer_specs`` (DeepSpeed's regexes
+over parameter names, ``partition_type`` ``column`` / ``row`` / ``skip``) overrides the choice: ``skip``
+keeps a block replicated, ``column``/``row`` must agree with what the graph allows (else an error names
+the pattern), and with ``use_default_specs: false`` only blocks whose every linear is named are split.
+
+The engine's part (``TensorParallelExtension``): TP × DP groups (``runtime/process_groups.py``), every
+batch broadcast within its TP group, gradients averaged over the DP group only
+(``TensorParallelGradients``), and ZeRO-1 over the DP group: the ZeRO extension hands its partitioning
+to ``engine.after_parameters_split``, run once the first batch split the model, so it shards the TP
+slices. The pass runs on the exported graph *before* the dscompile pipeline (it changes parameter
+shapes, which Dynamo would otherwise guard on); the split graph then compiles through the usual
+pipeline and lowering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from dscompile.config import parse_dataclass, register_section
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
+from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
+from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, TensorParallelOver, gather_slices, tp_copy, tp_reduce
+
+log = logging.getLogger("dscompile.passes.tensor_parallel")
+aten = torch.ops.aten
+
+SECTION = "tensor_parallel"
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class LayerSpec:
+    patterns: list[str] = field(default_factory=list)
+    partition_type: str = "column"
+
+    def validate(self, path: str) -> None:
+        if self.partition_type not in ("column", "row", "skip"):
+            raise DSCompileConfigError(f"{path}.partition_type", f"{self.partition_type!r} is not a partition type", "use column, row or skip")
+        for pattern in self.patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise DSCompileConfigError(f"{path}.patterns", f"{pattern!r} is not a regular expression ({exc})") from None
+
+
+@dataclass
+class PartitionConfig:
+    use_default_specs: bool = True
+    layer_specs: list[LayerSpec] = field(default_factory=list)
+
+
+@dataclass
+class TensorParallelConfig:
+    autotp_size: int = 1
+    tp_overlap_comm: bool = False
+    partition_config: PartitionConfig = field(default_factory=PartitionConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.autotp_size > 1
+
+
+_REFUSED_WHEN_SET = {
+    "vocab_parallel_lm_head": "a vocabulary-parallel LM head (the embedding and LM head stay replicated)",
+    "vocab_parallel_ce_backend": "a vocabulary-parallel cross-entropy",
+    "injection_policy_tuple": "DeepSpeed's injection policies (the pass finds the blocks from the graph)",
+    "preset_model": "DeepSpeed's per-architecture presets (the pass finds the blocks from the graph)",
+    "keep_module_on_host": "keeping the partitioned module on the host",
+    "kernel_inject": "DeepSpeed's inference kernels",
+    "replace_with_kernel_inject": "DeepSpeed's inference kernels",
+}
+
+
+def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
+    if not isinstance(value, Mapping):
+        raise DSCompileConfigError(path, f"expected a JSON object, got {type(value).__name__}")
+    section = dict(value)
+    for key, capability in _REFUSED_WHEN_SET.items():
+        if section.pop(key, None) not in (None, False, "", [], {}):
+            raise DSCompileNotSupportedError(f"{path}.{key}", capability)
+    dtype = section.pop("dtype", None)
+    if dtype is not None:
+        raise DSCompileConfigError(f"{path}.dtype", "the parameters' dtype is set by bf16/fp16 here", f"remove {path}.dtype; use the bf16 or fp16 section")
+    tp = section.pop("tp", None) or {}
+    if not isinstance(tp, Mapping):
+        raise DSCompileConfigError(f"{path}.tp", f"expected a JSON object, got {type(tp).__name__}")
+    for key in tp:
+        if key not in ("tp_size", "tp_grain_size", "mpu", "tp_group"):
+            raise DSCompileConfigError(f"{path}.tp.{key}", "unknown key", "valid keys here: tp_size, tp_grain_size, mpu, tp_group")
+    if tp.get("mpu") is not None or tp.get("tp_group") is not None:
+        raise DSCompileNotSupportedError(f"{path}.tp.mpu", "user-made tensor-parallel groups (dscompile lays out TP × DP itself)")
+    if (tp.get("tp_grain_size") or 1) != 1:
+        raise DSCompileNotSupportedError(f"{path}.tp.tp_grain_size", "tensor-parallel grains other than 1")
+    if section.get("autotp_size") in (None, 0):
+        section["autotp_size"] = 1
+    tp_size = tp.get("tp_size") or 1
+    if tp_size > 1 and section["autotp_size"] not in (1, tp_size):
+        raise DSCompileConfigError(f"{path}.tp.tp_size", f"{tp_size} contradicts autotp_size {section['autotp_size']}", "set one of them")
+    if tp_size > 1:
+        section["autotp_size"] = tp_size
+    config = parse_dataclass(TensorParallelConfig, section, path)
+    if config.autotp_size < 1:
+        raise DSCompileConfigError(f"{path}.autotp_size", f"expected a positive integer, got {config.autotp_size}")
+    if config.tp_overlap_comm:
+        raise DSCompileNotSupportedError(f"{path}.tp_overlap_comm", "overlapping tensor-parallel all-reduces with compute")
+    return config
+
+
+register_section(SECTION, parse_tensor_parallel, "tensor parallelism")
+
+
+def tensor_parallel_config(config: Any) -> TensorParallelConfig | None:
+    section = config.sections.get(SECTION) if hasattr(config, "sections") else None
+    return section if section is not None and section.enabled else None
+
+
+# ---------------------------------------------------------------------------------------------
+# finding the blocks
+# ---------------------------------------------------------------------------------------------
+class _Unsplittable(Exception):
+    """This block cannot run on a slice (the message says why)."""
+
+
+@dataclass
+class Linear:
+    """A linear layer in the ATen graph: ``linear(x, W[out, in], b)`` or GPT-2's ``addmm(b, x, W[in, out])``."""
+
+    node: fx.Node
+    weight: str
+    bias: str | None
+    transposed: bool  # W stored [in, out] (Conv1D)
+
+    @property
+    def input(self) -> fx.Node:
+        return self.node.args[1] if self.transposed else self.node.args[0]  # type: ignore[return-value]
+
+
+@dataclass
+class Block:
+    columns: list[Linear]
+    row: Linear
+    region: list[fx.Node]
+    sharded: dict[fx.Node, int]  # node -> its sliced dim
+    blocks: dict[fx.Node, int]  # column node -> number of fused parts
+    rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, new size)
+
+
+@dataclass
+class TensorParallelPlan:
+    """What the pass decided: parameter slices, the blocks split and those left whole (with why)."""
+
+    tp_size: int
+    slices: dict[str, SliceSpec] = field(default_factory=dict)
+    split: list[dict[str, Any]] = field(default_factory=list)
+    replicated: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _param_name(node: Any) -> str | None:
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def _as_linear(node: fx.Node) -> Linear | None:
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        weight = _param_name(node.args[1])
+        bias = _param_name(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
+        if weight is not None and (len(node.args) <= 2 or node.args[2] is None or bias is not None):
+            return Linear(node, weight, bias, transposed=False)
+    if node.target is aten.addmm.default and not node.kwargs:
+        weight, bias = _param_name(node.args[2]), _param_name(node.args[0])
+        if weight is not None and bias is not None:
+            return Linear(node, weight, bias, transposed=True)
+    return None
+
+
+_PASSTHROUGH = {aten.dropout.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default}
+
+
+def _adds_to_residual(node: fx.Node) -> bool:
+    """The value reaches an ``add`` through single-use dropouts/views (the residual connection)."""
+    for _ in range(6):
+        if len(node.users) != 1:
+            return False
+        (user,) = node.users
+        if user.target in (aten.add.Tensor, operator.add):
+            return True
+        if user.target not in _PASSTHROUGH:
+            return False
+        node = user
+    return False
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+_POINTWISE = {
+    aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.neg.default, aten.sigmoid.default,
+    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.pow.Tensor_Scalar, aten.masked_fill.Scalar,
+    aten.where.self, aten.dropout.default, aten.clone.default, aten.contiguous.default, aten._to_copy.default,
+    aten.to.dtype, aten.type_as.default, aten.alias.default, aten.mul.Scalar, aten.add.Scalar, aten.div.Scalar,
+    aten.rsqrt.default, aten.exp.default, aten.erf.default,
+}  # fmt: skip
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, tp: int) -> int:
+    """The dim of ``dst`` that a view of ``src`` sliced on ``dim`` is sliced on (the outermost of its group)."""
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [i], [j]
+        a = src[i] if i < len(src) else 1
+        b = dst[j] if j < len(dst) else 1
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                a *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                b *= dst[j]
+                gj.append(j)
+                j += 1
+        if dim in gi:
+            real_src = [d for d in gi if d < len(src) and src[d] != 1]
+            real_dst = [d for d in gj if d < len(dst) and dst[d] != 1]
+            if not real_src or real_src[0] != dim:
+                raise _Unsplittable(f"a view merges the sliced dimension {dim} of {src} under an outer one")
+            out = real_dst[0]
+            if dst[out] % tp:
+                raise _Unsplittable(f"a view to {dst} puts {dst[out]} (heads or hidden units) on the sliced dimension, not divisible by TP={tp}")
+            return out
+    raise _Unsplittable(f"cannot follow dimension {dim} through a view {src} -> {dst}")
+
+
+class _Propagator:
+    """Follows the sliced dimension from the column outputs through a block, noting the shape rewrites."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+        self.sharded: dict[fx.Node, int] = {}
+        self.blocks: dict[fx.Node, int] = {}
+        self.rewrites: dict[fx.Node, tuple[int, int]] = {}
+        self.origin: dict[fx.Node, fx.Node] = {}  # sliced node -> the column it comes from (while its last dim is the column's)
+
+    def seed(self, column: fx.Node) -> None:
+        shape = _shape(column)
+        if shape is None:
+            raise _Unsplittable(f"{column.name} has no shape")
+        self.sharded[column] = len(shape) - 1
+        self.blocks[column] = 1
+        self.origin[column] = column
+
+    def visit(self, node: fx.Node) -> None:
+        ins = [a for a in node.all_input_nodes if a in self.sharded]
+        if not ins:
+            return
+        target, tp = node.target, self.tp
+        src = ins[0]
+        d = self.sharded[src]
+        in_shape, out_shape = _shape(src), _shape(node)
+        if target in _VIEWS:
+            assert in_shape is not None and out_shape is not None
+            if in_shape[d] == out_shape[-1] and d == len(in_shape) - 1 and src in self.origin:
+                out = len(out_shape) - 1  # the column's features stay the last dim (Conv1D's 2-D -> 3-D view)
+                self.origin[node] = self.origin[src]
+            else:
+                out = _view_dim(in_shape, out_shape, d, tp)
+                self._check_whole(src)
+            self._note_shape(node, out, out_shape)
+            self.sharded[node] = out
+        elif target is aten.transpose.int:
+            a, b = (x % len(in_shape) for x in node.args[1:3])  # type: ignore[operator]
+            self.sharded[node] = b if d == a else a if d == b else d
+            self._inherit(node, src)
+        elif target is aten.permute.default:
+            self.sharded[node] = list(x % len(in_shape) for x in node.args[1]).index(d)  # type: ignore[union-attr]
+            self._inherit(node, src)
+        elif target is aten.unsqueeze.default:
+            k = node.args[1] % len(out_shape)  # type: ignore[operator]
+            self.sharded[node] = d + 1 if k <= d else d
+        elif target is aten.repeat_interleave.self_int:  # GQA: each rank's KV heads repeated for its query heads
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+            if dim is None:
+                raise _Unsplittable("repeat_interleave over the flattened tensor")
+            size = node.kwargs.get("output_size")
+            if size is not None and dim % len(in_shape) == d:  # type: ignore[operator]
+                node.kwargs = {**node.kwargs, "output_size": int(size) // tp}
+            self.sharded[node] = d
+        elif target is aten.expand.default:
+            out = d + len(out_shape) - len(in_shape)
+            self._note_shape(node, out, out_shape)
+            self.sharded[node] = out
+        elif target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            dim = node.args[2] % len(in_shape) if len(node.args) > 2 else 0  # type: ignore[operator]
+            parts = [_shape(u) for u in node.users]
+            if dim == d:
+                if src not in self.origin or self.blocks[self.origin[src]] != 1 or len({p for p in parts}) != 1:
+                    raise _Unsplittable("the sliced dimension is split unevenly or twice")
+                if in_shape[d] // len(node.users) % tp:
+                    raise _Unsplittable(f"a fused projection's parts of {in_shape[d] // len(node.users)} are not divisible by TP={tp}")
+                self.blocks[self.origin[src]] = sum(1 for _ in node.users) if target is not aten.split_with_sizes.default else len(node.args[1])  # type: ignore[arg-type]
+                self._split_arg(node, in_shape[d])
+            self.sharded[node] = d
+        elif target is operator.getitem:
+            self.sharded[node] = d
+        elif target in (aten.slice.Tensor, aten.cat.default, aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
+            dim = node.args[1] if len(node.args) > 1 else 0
+            dim = dim % len(out_shape)  # type: ignore[operator]
+            if target is aten.cat.default and any(a not in self.sharded for a in node.args[0]):  # type: ignore[union-attr]
+                raise _Unsplittable("cat of a sliced and a whole tensor")
+            if dim == (d if target is not aten.cat.default else self.sharded[node.args[0][0]]):  # type: ignore[index]
+                raise _Unsplittable(f"{target} along the sliced dimension")
+            self.sharded[node] = d
+        elif target in _POINTWISE:
+            outs = set()
+            for a in node.all_input_nodes:
+                sa = _shape(a)
+                if a in self.sharded:
+                    outs.add(self.sharded[a] + len(out_shape) - len(sa))  # type: ignore[arg-type]
+            if len(outs) != 1:
+                raise _Unsplittable(f"{node.name} mixes tensors sliced along different dimensions")
+            (out,) = outs
+            for a in node.all_input_nodes:
+                sa = _shape(a)
+                if a not in self.sharded and sa is not None:
+                    k = out - (len(out_shape) - len(sa))
+                    if k >= 0 and sa[k] != 1:
+                        raise _Unsplittable(f"{node.name} combines a sliced tensor with a whole one ({a.name}) along the sliced dimension")
+            self.sharded[node] = out
+        elif target in (aten.matmul.default, aten.bmm.default):
+            a, b = node.args[0], node.args[1]
+            sa, sb = _shape(a), _shape(b)
+            out = None
+            for x, sx in ((a, sa), (b, sb)):
+                if x in self.sharded:
+                    k = self.sharded[x]
+                    if k >= len(sx) - 2:  # type: ignore[arg-type]
+                        raise _Unsplittable(f"{node.name} contracts or produces along the sliced dimension")
+                    o = k + len(out_shape) - len(sx)  # type: ignore[arg-type]
+                    if out is not None and o != out:
+                        raise _Unsplittable(f"{node.name} mixes sliced dimensions")
+                    out = o
+            for x, sx in ((a, sa), (b, sb)):
+                if x not in self.sharded and sx is not None:
+                    k = out - (len(out_shape) - len(sx))  # type: ignore[operator]
+                    if k >= 0 and sx[k] != 1:
+                        raise _Unsplittable(f"{node.name} multiplies by a whole tensor along the sliced dimension")
+            self.sharded[node] = out  # type: ignore[assignment]
+        elif target is aten.scaled_dot_product_attention.default:
+            q, k, v = node.args[:3]
+            if any(self.sharded.get(x) != 1 for x in (q, k, v)):  # type: ignore[call-overload]
+                raise _Unsplittable("attention whose query, key and value are not all sliced by heads")
+            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+            sm = _shape(mask)
+            if sm is not None and len(sm) == 4 and sm[1] != 1:
+                raise _Unsplittable("an attention mask per head")
+            self.sharded[node] = 1
+        else:
+            raise _Unsplittable(f"{node.name} ({target}) is not known to keep a slice of heads/hidden units whole")
+
+    def _inherit(self, node: fx.Node, src: fx.Node) -> None:
+        pass
+
+    def _check_whole(self, src: fx.Node) -> None:
+        if src in self.origin and self.blocks[self.origin[src]] != 1:
+            raise _Unsplittable("a fused projection is viewed before it is split into its parts")
+
+    def _note_shape(self, node: fx.Node, out: int, out_shape: tuple[int, ...]) -> None:
+        sizes = node.args[1]
+        if isinstance(sizes, (list, tuple)) and out < len(sizes):
+            entry = sizes[out]
+            if isinstance(entry, int) and entry != -1:
+                self.rewrites[node] = (out, out_shape[out] // self.tp)
+            elif not isinstance(entry, int):
+                raise _Unsplittable(f"{node.name} has a symbolic size on the sliced dimension")
+
+    def _split_arg(self, node: fx.Node, size: int) -> None:
+        if node.target is aten.split.Tensor:
+            self.rewrites[node] = (-1, int(node.args[1]) // self.tp)  # type: ignore[arg-type]
+        elif node.target is aten.split_with_sizes.default:
+            self.rewrites[node] = (-2, 0)
+
+
+def _region(row: Linear, linears: dict[fx.Node, Linear]) -> tuple[list[Linear], set[fx.Node]]:
+    """Walk up from the row linear's input to the linears feeding it; the nodes in between."""
+    columns: dict[fx.Node, Linear] = {}
+    seen: set[fx.Node] = set()
+    stack = [row.input]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in linears:
+            columns[node] = linears[node]
+            continue
+        if node.op != "call_function":
+            continue
+        stack.extend(node.all_input_nodes)
+    return list(columns.values()), seen
+
+
+def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str, Any]]]:
+    """Every residual block the graph allows splitting, and the residual linears it does not (with why)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    linears = {n: lin for n in gm.graph.nodes if (lin := _as_linear(n)) is not None}
+    blocks: list[Block] = []
+    whole: list[dict[str, Any]] = []
+    for row in linears.values():
+        if not _adds_to_residual(row.node):
+            continue
+        columns, walked = _region(row, linears)
+        try:
+            if not columns:
+                raise _Unsplittable("no linear feeds it")
+            inputs = {c.input for c in columns}
+            if len(inputs) != 1:
+                raise _Unsplittable("the linears feeding it read different inputs")
+            prop = _Propagator(tp)
+            for c in columns:
+                prop.seed(c.node)
+            region = sorted((n for n in walked if n not in linears and n.op == "call_function"), key=order.__getitem__)
+            for n in region:
+                prop.visit(n)
+            sliced_region = [n for n in region if n in prop.sharded]
+            if row.input not in prop.sharded:
+                raise _Unsplittable("its input does not come from the feeding linears")
+            last = _shape(row.input)
+            if prop.sharded[row.input] != len(last) - 1:  # type: ignore[arg-type]
+                raise _Unsplittable("its input is sliced along another dimension than its features")
+            inside = set(sliced_region) | {c.node for c in columns}
+            for n in inside:
+                outside = [u.name for u in n.users if u not in inside and u is not row.node]
+                if outside:
+                    raise _Unsplittable(f"{n.name} is also used outside the block ({', '.join(outside)})")
+            for c in columns:
+                out_features = _shape(c.node)[-1]  # type: ignore[index]
+                if out_features % (prop.blocks[c.node] * tp):
+                    raise _Unsplittable(f"{c.weight} has {out_features} outputs, not divisible by TP={tp}")
+            if last[-1] % tp:  # type: ignore[index]
+                raise _Unsplittable(f"{row.weight} has {last[-1]} inputs, not divisible by TP={tp}")  # type: ignore[index]
+            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites))
+        except _Unsplittable as exc:
+            whole.append({"row": row.weight, "columns": [c.weight for c in columns], "reason": str(exc)})
+            log.warning("tensor_parallel: %s stays replicated: %s", row.weight, exc)
+    return blocks, whole
+
+
+# ---------------------------------------------------------------------------------------------
+# layer_specs
+# ---------------------------------------------------------------------------------------------
+def _spec_for(name: str, specs: list[LayerSpec]) -> tuple[str, str] | None:
+    for spec in specs:
+        for pattern in spec.patterns:
+            if re.search(pattern, name):
+                return spec.partition_type, pattern
+    return None
+
+
+def apply_layer_specs(blocks: list[Block], whole: list[dict[str, Any]], pc: PartitionConfig, weights: list[str]) -> list[Block]:
+    """Keep the blocks that ``layer_specs`` allow; an impossible override is an error naming its pattern."""
+    roles = {c.weight: "column" for b in blocks for c in b.columns} | {b.row.weight: "row" for b in blocks}
+    for name in weights:
+        hit = _spec_for(name, pc.layer_specs)
+        if hit is None or hit[0] == "skip":
+            continue
+        kind, pattern = hit
+        if roles.get(name) != kind:
+            found = roles.get(name, "not part of any block the graph lets split")
+            raise DSCompileConfigError(
+                "tensor_parallel.partition_config.layer_specs",
+                f"pattern {pattern!r} asks {name} to be {kind}-parallel, but from the graph it is {found}",
+                "fix the pattern or its partition_type (skip keeps a block replicated)",
+            )
+    kept = []
+    for b in blocks:
+        names = [c.weight for c in b.columns] + [b.row.weight]
+        hits = [_spec_for(n, pc.layer_specs) for n in names]
+        if any(h is not None and h[0] == "skip" for h in hits):
+            whole.append({"row": b.row.weight, "columns": names[:-1], "reason": "layer_specs: skip"})
+        elif not pc.use_default_specs and any(h is None for h in hits):
+            whole.append({"row": b.row.weight, "columns": names[:-1], "reason": "use_default_specs is false and layer_specs do not name every linear"})
+        else:
+            kept.append(b)
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# the rewrite
+# ---------------------------------------------------------------------------------------------
+def _fake_like(node: fx.Node, shape: list[int]) -> None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        node.meta["val"] = val.new_empty(shape)
+
+
+def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dict[str, SliceSpec]:
+    """Slice the shapes, make the row linears partial sums + all-reduce, put ``tp_copy`` before each block."""
+    slices: dict[str, SliceSpec] = {}
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for b in blocks:
+        x = b.columns[0].input
+        first = min((c.node for c in b.columns), key=order.__getitem__)
+        with graph.inserting_before(first):
+            copied = graph.call_function(tp_copy, (x, group))
+        copied.meta["val"] = x.meta.get("val")
+        copied.meta.setdefault("dscompile", {})["shard"] = "tp_copy"
+        for c in b.columns:
+            c.node.replace_input_with(x, copied)
+            parts = b.blocks[c.node]
+            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts)
+            if c.bias is not None:
+                slices[c.bias] = SliceSpec(dim=0, blocks=parts)
+        for node, (pos, size) in b.rewrites.items():
+            if pos == -1:  # split(x, size): each part's size
+                node.args = (node.args[0], size, *node.args[2:])
+            elif pos == -2:  # split_with_sizes: every size
+                node.args = (node.args[0], [s // tp for s in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+            else:
+                sizes = list(node.args[1])  # type: ignore[arg-type]
+                sizes[pos] = size
+                node.args = (node.args[0], sizes, *node.args[2:])
+        row = b.row
+        slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1)
+        node = row.node
+        with graph.inserting_after(node):
+            if row.transposed:  # addmm(b, x, W) -> mm(x, W_slice), all-reduce, + b
+                partial = graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
+            else:
+                partial = graph.call_function(aten.linear.default, (node.args[0], node.args[1]))
+        with graph.inserting_after(partial):
+            reduced = graph.call_function(tp_reduce, (partial, group))
+        last = reduced
+        if row.bias is not None:
+            bias_node = node.args[0] if row.transposed else node.args[2]
+            with graph.inserting_after(reduced):
+                last = graph.call_function(aten.add.Tensor, (reduced, bias_node))
+        for n in (partial, reduced, last):
+            n.meta["val"] = node.meta.get("val")
+        reduced.meta.setdefault("dscompile", {})["shard"] = "tp_reduce"
+        node.replace_all_uses_with(last)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return slices
+
+
+def partition_parameters(model: nn.Module, slices: dict[str, SliceSpec], rank: int, tp: int) -> None:
+    """Each parameter named in ``slices`` keeps only this rank's slice (same ``nn.Parameter`` object)."""
+    with torch.no_grad():
+        for name, spec in slices.items():
+            p = model.get_parameter(name)
+            p.data = spec.take(p.data, rank, tp).clone()
+
+
+def _share_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
+    """The exported module reads the model's own ``nn.Parameter`` objects (those the optimizer steps)."""
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
+        owner, _, leaf = name.rpartition(".")
+        setattr(gm.get_submodule(owner) if owner else gm, leaf, model.get_parameter(name))
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """The model's ATen graph at these inputs' shapes (``torch.export``, non-strict)."""
+    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    gm = exported.module()
+    _share_parameters(gm, model)
+    for node in list(gm.graph.nodes):  # export's dtype/device asserts: checks of the capture, not computation
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGroups, tc: TensorParallelConfig) -> tuple[fx.GraphModule, TensorParallelPlan]:
+    """Capture, find the blocks, rewrite the graph and partition ``model``'s parameters in place."""
+    tp = groups.tp_size
+    gm = capture(model, args, kwargs)
+    blocks, whole = find_blocks(gm, tp)
+    weights = [n for n, _ in model.named_parameters()]
+    blocks = apply_layer_specs(blocks, whole, tc.partition_config, weights)
+    if not blocks:
+        reasons = "; ".join(f"{w['row']}: {w['reason']}" for w in whole) or "no linear adds to a residual stream"
+        raise DSCompileConfigError(
+            "tensor_parallel.autotp_size",
+            f"no transformer block of {type(model).__name__} can be split across {tp} ranks ({reasons})",
+            "use a TP size that divides the heads and hidden sizes, or turn tensor_parallel off",
+        )
+    plan = TensorParallelPlan(tp)
+    group_name = groups.tp_group.group_name if groups.tp_group is not None else ""
+    plan.slices = rewrite(gm, blocks, group_name, tp)
+    plan.split = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
+    plan.replicated = whole
+    partition_parameters(model, plan.slices, groups.tp_rank, tp)
+    return gm, plan
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine's part
+# ---------------------------------------------------------------------------------------------
+class TensorParallelModule(nn.Module):
+    """What the engine runs: at the first batch, capture and split the model; then the split graph.
+
+    Every rank of a TP group must see the same batch: the tensors of each batch are broadcast from the
+    group's first rank (DeepSpeed leaves this to the data loader, and gets it wrong silently when it is).
+    """
+
+    def __init__(self, model: nn.Module, groups: ProcessGroups, tc: TensorParallelConfig, compile_options: Any, after_split: Any = None) -> None:
+        super().__init__()
+        self.after_split = after_split
+        self.model = model
+        self.groups = groups
+        self.tc = tc
+        self.compile_options = compile_options
+        self.plan: TensorParallelPlan | None = None
+        # the split graph, kept out of the module tree: an exported module refuses train()/eval(), and the mode
+        # is checked against the captured one instead
+        self.__dict__["_graph"] = None
+        self._signature: Any = None
+        self._training = True
+
+    def _broadcast_batch(self, values: list[Any]) -> None:
+        if self.groups.tp_size > 1:
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    dist.broadcast(v, src=self.groups.tp_ranks[0], group=self.groups.tp_group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._broadcast_batch(list(args) + list(kwargs.values()))
+        signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
+        if self._graph is None:
+            gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
+            if self.after_split is not None:
+                self.after_split()
+            self._signature = signature
+            self._training = self.model.training
+            self.__dict__["_graph"] = torch.compile(gm, backend="dscompile", options=self.compile_options) if self.compile_options is not None else gm
+        elif self._training != self.model.training:
+            raise DSCompileConfigError(
+                "tensor_parallel",
+                f"the graph was captured and split in {'training' if self._training else 'eval'} mode (dropout baked in); "
+                f"the model is now in {'training' if self.model.training else 'eval'} mode",
+                "keep one mode per engine: switching train/eval after the first batch is not built under tensor parallelism",
+            )
+        elif signature != self._signature:
+            raise DSCompileConfigError(
+                "tensor_parallel",
+                f"the graph was captured and split for inputs {self._signature}; this batch is {signature}",
+                "keep the batch shape fixed (pad the last batch, or drop it: dataloader_drop_last)",
+            )
+        return self._graph(*args, **kwargs)
+
+
+def refuse_untested_compositions(engine: EngineCore) -> None:
+    """What tensor parallelism is not built to combine with yet: a clear error, never a silently wrong step."""
+    sections = engine.config.sections
+    zero = sections.get("zero_optimization")
+    clashes = {
+        "zero_optimization stages 2 and 3": zero is not None and zero.stage > 1,
+        "gradient_clipping under ZeRO": zero is not None and zero.stage > 0 and engine.config.gradient_clipping > 0,
+        "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
+        "activation_checkpointing": sections.get("activation_checkpointing") is not None,
+        "bf16": getattr(sections.get("bf16"), "enabled", False),
+        "fp16": getattr(sections.get("fp16"), "enabled", False),
+    }
+    for key, clash in clashes.items():
+        if clash:
+            raise DSCompileConfigError(SECTION, f"tensor parallelism together with {key} is not built yet", f"remove {key} or the tensor_parallel section")
+
+
+class TensorParallelExtension(EngineExtension):
+    """Lays out the groups, wraps the model, and installs data parallelism over the DP group only."""
+
+    name = "tensor_parallel"
+
+    def __init__(self, tc: TensorParallelConfig) -> None:
+        self.tc = tc
+        self.groups: ProcessGroups | None = None
+        self.module: TensorParallelModule | None = None
+
+    def configure(self, engine: EngineCore) -> None:
+        refuse_untested_compositions(engine)
+        groups = build_process_groups(self.tc.autotp_size)
+        self.groups = groups
+        if engine.world_size > 1:
+            with torch.no_grad():  # every rank slices the same full weights
+                for tensor in list(engine.module.parameters()) + list(engine.module.buffers()):
+                    dist.broadcast(tensor, src=0)
+        # the split graph compiles under the engine's config, less this section (the frontend refuses it on its own)
+        options = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != SECTION})
+        options = options if getattr(engine, "compiles_model", False) else None
+        engine.compiles_model = False  # type: ignore[attr-defined]  # the module compiles its split graph itself
+        self.module = TensorParallelModule(engine.module, groups, self.tc, options, self._after_split)
+        engine.compile_target = self.module  # type: ignore[attr-defined]
+        engine.process_groups = groups  # type: ignore[attr-defined]
+        engine.gradients = TensorParallelGradients(engine.module, groups, self.slices)
+        self.engine = engine
+        # extensions that partition parameters themselves (ZeRO-1) append here: run once the model is split
+        engine.after_parameters_split = []  # type: ignore[attr-defined]
+
+    def _after_split(self) -> None:
+        engine = self.engine
+        for callback in engine.after_parameters_split:  # type: ignore[attr-defined]
+            callback()
+        if not isinstance(engine.gradients, TensorParallelGradients):  # ZeRO-1 took over: gather its TP slices too
+            engine.gradients = TensorParallelOver(engine.gradients, self.groups, self.slices)  # type: ignore[arg-type]
+
+    @property
+    def plan(self) -> TensorParallelPlan | None:
+        """The pass's decisions (None until the first batch captured the graph)."""
+        return self.module.plan if self.module is not None else None
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient at the unpartitioned shape (a collective over the TP group): for checks."""
+        assert self.groups is not None and self.module is not None
+        specs = self.slices()
+        out = {}
+        for name, p in self.module.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.detach()
+                out[name] = specs[name].assemble(gather_slices(g, self.groups)) if name in specs else g.clone()
+        return out
+
+    def slices(self) -> dict[str, SliceSpec]:
+        return self.module.plan.slices if self.module is not None and self.module.plan is not None else {}
+
+    def counters(self) -> dict[str, Any]:
+        plan = self.module.plan if self.module is not None else None
+        if plan is None:
+            return {}
+        return {"tp_size": plan.tp_size, "blocks_split": len(plan.split), "blocks_replicated": len(plan.replicated)}
+
+
+@register_engine_extension(8, "tensor_parallel")
+def _tensor_parallel_extension(config: Any) -> EngineExtension | None:
+    tc = tensor_parallel_config(config)
+    return TensorParallelExtension(tc) if tc is not None else None

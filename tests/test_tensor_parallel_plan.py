@@ -1,0 +1,94 @@
+"""Tensor parallelism without ranks: the config section, the TP × DP × PP layout, and what the pass finds.
+
+The numerics across ranks are in ``test_tensor_parallel.py``; here the graph analysis runs on one
+process (``find_blocks`` needs no process group) so its decisions and refusals are checked directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dscompile.config import load_config
+from dscompile.errors import DSCompileConfigError
+from dscompile.passes.tensor_parallel import LayerSpec, PartitionConfig, apply_layer_specs, capture, find_blocks
+from dscompile.runtime.process_groups import ParallelLayout
+from dscompile.runtime.tensor_parallel import SliceSpec
+from dscompile.zoo import build, make_batch
+
+
+def test_config_section() -> None:
+    tc = load_config({"tensor_parallel": {"autotp_size": 2}}).sections["tensor_parallel"]
+    assert tc.enabled and tc.autotp_size == 2
+    assert load_config({"tensor_parallel": {"tp": {"tp_size": 4}}}).sections["tensor_parallel"].autotp_size == 4
+    assert not load_config({"tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1, "tp_grain_size": 1}}}).sections["tensor_parallel"].enabled
+    with pytest.raises(DSCompileConfigError, match="contradicts"):
+        load_config({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}})
+    with pytest.raises(DSCompileConfigError) as info:
+        load_config({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}}})
+    assert info.value.key.endswith("partition_type")
+
+
+def test_layout_is_megatron_order() -> None:
+    layout = ParallelLayout(world_size=8, tp_size=2, pp_size=2)
+    assert layout.dp_size == 2
+    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]  # TP innermost: consecutive ranks
+    assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.coordinates(5) == (1, 0, 1)
+    with pytest.raises(DSCompileConfigError):
+        ParallelLayout(world_size=6, tp_size=4)
+
+
+def test_fused_slices_round_trip() -> None:
+    full = torch.arange(24.0).reshape(12, 2)
+    spec = SliceSpec(dim=0, blocks=3)  # q, k, v of 4 rows each, split in 2
+    parts = [spec.take(full, r, 2) for r in range(2)]
+    assert parts[0][:, 0].tolist() == [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]
+    assert torch.equal(spec.assemble(parts), full)
+
+
+def _blocks(name: str, tp: int, **overrides):
+    case = build(name, seed=0, **overrides)
+    gm = capture(case.model, make_batch(case, seed=0), {})
+    return find_blocks(gm, tp)
+
+
+@pytest.fixture(scope="module")
+def gpt_blocks():
+    return _blocks("gpt", 2, seq_len=8, d_model=16, n_heads=2, n_layers=1, vocab_size=40)
+
+
+def test_finds_attention_and_mlp_blocks(gpt_blocks) -> None:
+    blocks, whole = gpt_blocks
+    assert whole == []
+    roles = sorted((tuple(c.weight for c in b.columns), b.row.weight) for b in blocks)
+    assert roles == [(("blocks.0.attn.qkv.weight",), "blocks.0.attn.proj.weight"), (("blocks.0.mlp.fc.weight",), "blocks.0.mlp.proj.weight")]
+    attention = next(b for b in blocks if "attn" in b.row.weight)
+    assert attention.blocks[attention.columns[0].node] == 3  # the fused qkv is split part by part
+
+
+def test_heads_not_divisible_stay_whole_with_the_reason() -> None:
+    blocks, whole = _blocks("gpt", 4, seq_len=8, d_model=24, n_heads=6, n_layers=1, vocab_size=40)
+    assert [b.row.weight for b in blocks] == ["blocks.0.mlp.proj.weight"]  # the MLP (96 units) still splits
+    assert whole[0]["row"] == "blocks.0.attn.proj.weight" and "not divisible by TP=4" in whole[0]["reason"]
+
+
+def test_layer_specs_override_and_refuse_contradictions(gpt_blocks) -> None:
+    blocks, _ = gpt_blocks
+    whole: list = []
+    names = [c.weight for b in blocks for c in b.columns] + [b.row.weight for b in blocks]
+    skip = PartitionConfig(layer_specs=[LayerSpec([r"mlp\.fc"], "skip")])
+    kept = apply_layer_specs(list(blocks), whole, skip, names)
+    assert [b.row.weight for b in kept] == ["blocks.0.attn.proj.weight"]
+    wrong = PartitionConfig(layer_specs=[LayerSpec([r"attn\.proj\.weight"], "column")])
+    with pytest.raises(DSCompileConfigError, match="column-parallel"):
+        apply_layer_specs(list(blocks), [], wrong, names)
+    only = PartitionConfig(use_default_specs=False, layer_specs=[LayerSpec([r"mlp\.fc"], "column"), LayerSpec([r"mlp\.proj"], "row")])
+    assert [b.row.weight for b in apply_layer_specs(list(blocks), [], only, names)] == ["blocks.0.mlp.proj.weight"]
+
+
+def test_plain_compile_refuses_tensor_parallel() -> None:
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend="dscompile", options={"tensor_parallel": {"autotp_size": 2}})
+    with pytest.raises(Exception, match="only an engine can own"):
+        compiled(torch.ones(2))
