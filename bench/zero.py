@@ -65,13 +65,23 @@ class PeakSampler:
         self._thread.join()
 
 
-def _case(args: dict[str, int]) -> Any:
+def _case(args: dict[str, Any]) -> Any:
     from dscompile.zoo import build
 
+    if args["model"] == "hf_gpt2":
+        return build(
+            "hf_gpt2", seed=0, batch_size=args["batch"], seq_len=args["seq"], hidden=args["d_model"], n_heads=args["heads"],
+            n_layers=args["layers"], vocab_size=args["vocab"],
+        )
     return build(
         "gpt", seed=0, batch_size=args["batch"], seq_len=args["seq"], d_model=args["d_model"], n_heads=args["heads"], n_layers=args["layers"],
         vocab_size=args["vocab"],
     )
+
+
+def _blocks(model: Any) -> Any:
+    """The transformer blocks FSDP2 shards one by one (the zoo GPT's, or HF GPT-2's ``transformer.h``)."""
+    return model.blocks if hasattr(model, "blocks") else model.model.transformer.h
 
 
 def _batches(case: Any, rank: int, count: int) -> list[tuple[torch.Tensor, ...]]:
@@ -130,7 +140,7 @@ def _build(peer: str, case: Any, args: dict[str, Any]) -> Any:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
+    for block in _blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -168,7 +178,43 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
             start = time.perf_counter()
             losses.append(step(batch))
             times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times), "peak_bytes": sampler.peak - baseline, "losses": losses, "params": params}
+    out = {"step_s": statistics.median(times), "peak_bytes": sampler.peak - baseline, "losses": losses, "params": params,
+           "threads": torch.get_num_threads()}
+    if args["profile"]:
+        out["profile"] = profile_step(step, batches[-1])
+    return out
+
+
+COLLECTIVE_MARKERS = ("gloo:", "c10d::", "_c10d_functional::", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "broadcast")
+COPY_OPS = {"aten::copy_", "aten::cat", "aten::constant_pad_nd", "aten::clone", "aten::_to_copy", "aten::slice", "aten::view", "aten::narrow",
+            "aten::as_strided", "aten::empty", "aten::new_empty", "aten::zeros", "aten::fill_", "aten::zero_", "aten::split", "aten::stack"}
+
+
+def profile_step(step: Any, batch: tuple) -> dict[str, Any]:
+    """One more step under the torch profiler: self CPU time by op, grouped into collectives, waits,
+    copies and the rest, and the top ops (``--profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(batch)
+    wall = time.perf_counter() - start
+    rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
+    groups = {"wait": 0.0, "collective": 0.0, "copy/layout": 0.0, "optimizer (foreach/fused)": 0.0, "compute/other": 0.0}
+    for key, sec, _ in rows:
+        if "wait" in key.lower():
+            groups["wait"] += sec
+        elif any(m in key for m in COLLECTIVE_MARKERS):
+            groups["collective"] += sec
+        elif key in COPY_OPS:
+            groups["copy/layout"] += sec
+        elif "foreach" in key or "fused_adam" in key or "Optimizer.step" in key:
+            groups["optimizer (foreach/fused)"] += sec
+        else:
+            groups["compute/other"] += sec
+    top = sorted(rows, key=lambda r: -r[1])[:25]
+    return {"wall_s": wall, "groups": groups, "top": top}
 
 
 def main() -> None:
@@ -184,6 +230,9 @@ def main() -> None:
     parser.add_argument("--lower", default="inductor", choices=["eager", "inductor"], help="dscompile's lowering")
     parser.add_argument("--profile-steps", type=int, default=1, help="dscompile-z3-profiled: steps profiled before re-planning (in warm-up)")
     parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--model", default="gpt", choices=["gpt", "hf_gpt2"], help="the zoo GPT or a Hugging Face GPT-2 built from a config")
+    parser.add_argument("--rounds", type=int, default=1, help="peers alternated A B A B ...: each peer runs this many times; median and spread")
+    parser.add_argument("--profile", action="store_true", help="profile one extra step per peer (rank 0's op table grouped)")
     parser.add_argument("--timeout", type=float, default=1200)
     opts = parser.parse_args()
     if opts.profile_steps < 1 or opts.warmup <= opts.profile_steps:
@@ -191,22 +240,41 @@ def main() -> None:
     from dscompile.testing.distributed import DistributedRunError, run_distributed
 
     args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
-            "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "profile_steps": opts.profile_steps}
+            "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "profile_steps": opts.profile_steps, "model": opts.model,
+            "profile": opts.profile}
     results: dict[str, dict[str, Any]] = {}
-    for peer in opts.peers.split(","):
-        torch._dynamo.reset()
-        try:
-            ranks = run_distributed(peer_rank, 2, peer, args, timeout=opts.timeout)
-        except (DistributedRunError, ImportError) as exc:
-            print(f"{peer}: failed: {str(exc).splitlines()[0]}", flush=True)
-            continue
-        results[peer] = {
-            "step_s": max(r["step_s"] for r in ranks),
-            "peak_bytes": max(r["peak_bytes"] for r in ranks),
-            "losses": [sum(v) / len(ranks) for v in zip(*(r["losses"] for r in ranks), strict=True)],
-            "params": ranks[0]["params"],
-        }
-        print(f"{peer}: {results[peer]['step_s'] * 1e3:.0f} ms/step, peak {results[peer]['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+    failed: set[str] = set()
+    for round_index in range(opts.rounds):
+        for peer in opts.peers.split(","):
+            if peer in failed:
+                continue
+            torch._dynamo.reset()
+            try:
+                ranks = run_distributed(peer_rank, 2, peer, args, timeout=opts.timeout)
+            except (DistributedRunError, ImportError) as exc:
+                print(f"{peer}: failed: {str(exc).splitlines()[0]}", flush=True)
+                failed.add(peer)
+                continue
+            run = {
+                "step_s": max(r["step_s"] for r in ranks),
+                "peak_bytes": max(r["peak_bytes"] for r in ranks),
+                "losses": [sum(v) / len(ranks) for v in zip(*(r["losses"] for r in ranks), strict=True)],
+                "params": ranks[0]["params"],
+            }
+            entry = results.setdefault(peer, {"runs": [], **run})
+            entry["runs"].append(run["step_s"])
+            entry["peak_bytes"] = max(entry["peak_bytes"], run["peak_bytes"])
+            entry["step_s"] = statistics.median(entry["runs"])
+            threads = [r["threads"] for r in ranks]
+            print(f"[round {round_index + 1}] {peer}: {run['step_s'] * 1e3:.0f} ms/step, peak {run['peak_bytes'] / 2**20:.0f} MiB, "
+                  f"threads per rank {threads}", flush=True)
+            if opts.profile and round_index == 0:
+                prof = ranks[0]["profile"]
+                print(f"  profile (rank 0, one step {prof['wall_s'] * 1e3:.0f} ms wall under the profiler), self CPU seconds by group:")
+                for group, sec in prof["groups"].items():
+                    print(f"    {group:28} {sec * 1e3:9.1f} ms")
+                for key, sec, count in prof["top"][:15]:
+                    print(f"    {sec * 1e3:9.1f} ms  x{count:<5} {key}")
     if not results:
         return
     params = next(iter(results.values()))["params"]
@@ -214,16 +282,19 @@ def main() -> None:
         f"\nGPT {params / 1e6:.1f}M params, world 2 gloo, batch {opts.batch}x{opts.seq}/rank, dscompile lowering {opts.lower}, "
         f"dscompile-z3-profiled re-plans after {opts.profile_steps} profiled step(s)"
     )
-    ref_time = results.get("deepspeed-z3", {}).get("step_s")
+    print(f"{opts.rounds} round(s), peers alternated; step ms is the median over rounds of each run's median step, spread = (max-min)/median")
     fsdp_time = results.get("fsdp2", {}).get("step_s")
-    header = f"{'peer':22} {'step ms':>9} {'vs DS-z3':>9} {'vs FSDP2':>9} {'peak MiB':>9}  losses"
+    header = f"{'peer':22} {'step ms':>9} {'spread':>7} {'vs DS same stage':>17} {'vs FSDP2':>9} {'peak MiB':>9}  losses"
     print(header)
     print("-" * len(header))
     for peer, r in results.items():
-        vs_ds = f"{r['step_s'] / ref_time:.2f}x" if ref_time else "-"
+        stage = peer.split("-")[1][:2] if peer.startswith("dscompile") else ""
+        ds_time = results.get(f"deepspeed-{stage}", {}).get("step_s") if stage else None
+        vs_ds = f"{r['step_s'] / ds_time:.2f}x" if ds_time else "-"
         vs_fsdp = f"{r['step_s'] / fsdp_time:.2f}x" if fsdp_time else "-"
+        spread = (max(r["runs"]) - min(r["runs"])) / r["step_s"]
         losses = " ".join(f"{v:.4f}" for v in r["losses"])
-        print(f"{peer:22} {r['step_s'] * 1e3:9.0f} {vs_ds:>9} {vs_fsdp:>9} {r['peak_bytes'] / 2**20:9.0f}  {losses}")
+        print(f"{peer:22} {r['step_s'] * 1e3:9.0f} {spread:6.0%} {vs_ds:>17} {vs_fsdp:>9} {r['peak_bytes'] / 2**20:9.0f}  {losses}")
 
 
 if __name__ == "__main__":
