@@ -77,7 +77,7 @@ def _fusable(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     return bool(params) and all(p.is_floating_point() and p.device.type in FUSED_DEVICE_TYPES for p in params)
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, partition: ZeroPartition) -> torch.optim.Optimizer:
+def shard_optimizer(optimizer: torch.optim.Optimizer, partition: ZeroPartition, fuse: bool = True) -> torch.optim.Optimizer:
     """The same optimizer (class, groups, hyper-parameters) over the shards instead of the full parameters."""
     if optimizer.state:
         raise DSCompileConfigError("optimizer", "already holds state; ZeRO must partition it before the first step", "build the engine before training")
@@ -85,7 +85,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, partition: ZeroPartition) 
     for group in optimizer.param_groups:
         entry = {k: v for k, v in group.items() if k != "params"}
         entry["params"] = [partition.shard_for(p) for p in group["params"] if any(p is q for q in partition.full_params)]
-        if _fusable(optimizer, entry):
+        if fuse and _fusable(optimizer, entry):
             entry["fused"] = True
         groups.append(entry)
     over_shards = getattr(optimizer, "over_shards", None)
@@ -202,5 +202,8 @@ class ZeroExtension(EngineExtension):
         if zc.stage >= 2:
             engine.compile_target = ZeroModule(engine.module, self.partition)  # type: ignore[attr-defined]
         if engine.optimizer is not None:
-            engine.optimizer = shard_optimizer(engine.optimizer, self.partition)
+            # offload_optimizer steps tiles of the shards on the host and promises bitwise equality with no
+            # offload; the fused kernel rounds by the position within a tensor, so it is kept off there.
+            offloaded = zc.offload_optimizer is not None and zc.offload_optimizer.enabled
+            engine.optimizer = shard_optimizer(engine.optimizer, self.partition, fuse=not offloaded)
         engine.gradients = ZeroGradients(self.partition, zc.ignore_unused_parameters)
