@@ -53,6 +53,9 @@ def _engine(
         zero["offload_optimizer"] = offload
     config = _config(stage, 1, clip, zero)
     config["lower"] = lower
+    # One implementation with and without offload (the loop): without offload ZeRO would pick torch's fused
+    # AdamW, which rounds differently from the loop the tiled host step runs.
+    config["optimizer"]["params"]["foreach"] = False
     if schedule:  # the learning rate changes every step: the host optimizer must follow it
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5}}
     if precision == "bf16":
