@@ -207,7 +207,7 @@ model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in
 zero = {"stage": 1, "sub_group_size": 1 << 17}
 if offload:
     zero["offload_optimizer"] = offload
-config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "foreach": False}},
           "zero_optimization": zero, "lower": "eager"}
 engine, *_ = dscompile.initialize(model=model, config=config)
 def rss():
@@ -260,7 +260,7 @@ case = build_hf_gpt2(seed=1)
 zero = {"stage": 2, "sub_group_size": 4096}
 if offload:
     zero["offload_optimizer"] = offload
-config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "foreach": False}}, "zero_optimization": zero}
 engine, *_ = dscompile.initialize(model=case.model, config=config)
 losses = []
 for step in range(3):
