@@ -70,14 +70,14 @@ HF GPT-2 from a config (hidden 512, 8 heads, 4 layers, vocab 8192, seq 128, batc
     dscompile-z3      5979      1276    (657, 664)
     fsdp2 eager       7010      2516    (738, 753)
     deepspeed-z3      7352      3320    (898, 915)
-    dscompile-z2      4619        -     (810)
-    deepspeed-z2      4150        -     (694)
-    dscompile-z1      2267        -     (814)
-    deepspeed-z1      2648        -     (721)
+    dscompile-z2      4619      1643    (810, 790)
+    deepspeed-z2      4150      1180    (694, 709)
+    dscompile-z1      2267      1393    (814, 793)
+    deepspeed-z1      2648      1396    (721, 730)
 
 ZeRO-3 against FSDP2 eager: 0.85x (round 1), 0.51x (round 2); against DeepSpeed ZeRO-3: 0.81x, 0.38x; at
-lower peak memory than both. ZeRO-2 1.11x DeepSpeed's and ZeRO-1 0.86x in round 1 (targets <= 0.7x: not met
-there). The spread between rounds is far above the 10% target because of the shared machine; a quiet
+lower peak memory than both. ZeRO-2 1.11x / 1.39x DeepSpeed's and ZeRO-1 0.86x / 1.00x (targets <= 0.7x:
+not met; ZeRO-1/2's out-of-graph reduce and post-step refresh were not worked on here). The spread between rounds is far above the 10% target because of the shared machine; a quiet
 machine and more rounds are needed before any of these ratios is a claim.
 """
 
