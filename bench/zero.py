@@ -79,7 +79,8 @@ ZeRO-3 against FSDP2 eager: 0.85x (round 1), 0.51x (round 2); against DeepSpeed 
 lower peak memory than both. ZeRO-2 1.11x / 1.39x DeepSpeed's and ZeRO-1 0.86x / 1.00x (targets <= 0.7x:
 not met; ZeRO-1/2's out-of-graph reduce and post-step refresh were not worked on here). Medians of the two
 rounds: ZeRO-3 0.76x FSDP2 eager, 0.68x DeepSpeed ZeRO-3; losses equal across peers to 4 digits. The spread
-between rounds (48-130%) is far above the 10% target because of the shared machine; a quiet machine and more rounds are needed before any of these ratios is a claim.
+between rounds (48-130%) is far above the 10% target because of the shared machine; a quiet machine and more
+rounds are needed before any of these ratios is a claim.
 """
 
 from __future__ import annotations
