@@ -100,6 +100,7 @@ class DSCompileEngine(nn.Module, EngineCore):
 
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.check_states_resident("engine forward")
         self._hook("before_forward")
         with self.phase("forward"), self.gradients.failure_context(self.global_rank, "forward"):
             out = run_agreeing(self._compiled, self.zero_module, args, kwargs)  # ranks whose ZeRO graphs differ: fall back

@@ -3,6 +3,7 @@ adopted by the ZeRO engine), zero.GatheredParameters. One spawn runs every check
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -175,9 +176,10 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, labels.flatten())
 
 
-def _tied_pipeline(rank: int, world: int, steps: int = 2) -> dict:
+def _tied_pipeline(rank: int, world: int, save_dir: str, steps: int = 2) -> dict:
     """PipelineModule with a TiedLayerSpec on both stages: the gradients of the shared weight are
-    summed over the stages, as one module in one process would have them."""
+    summed over the stages, as one module in one process would have them; then save_16bit_model
+    writes both stages into one file on rank 0."""
     import dscompile as deepspeed
     from dscompile.pipe import PipelineModule
 
@@ -188,11 +190,13 @@ def _tied_pipeline(rank: int, world: int, steps: int = 2) -> dict:
     g = torch.Generator().manual_seed(3)
     data = [(torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g)) for _ in range(2 * steps)]
     losses = [float(engine.train_batch(iter(data[2 * s : 2 * s + 2]))) for s in range(steps)]
-    return {"losses": losses, "partitions": net.partitions(), "params": engine.stage_parameters(), "data": data}
+    assert engine.save_16bit_model(save_dir, "pipe16.bin") is True
+    saved = torch.load(os.path.join(save_dir, "pipe16.bin")) if rank == 0 else None
+    return {"losses": losses, "partitions": net.partitions(), "params": engine.stage_parameters(), "data": data, "saved16": saved}
 
 
-def _two_rank_checks(rank: int, world: int) -> dict:
-    out = {"comm": _comm_checks(rank, world), "zero_init": _zero_init_checks(rank, world), "tied": _tied_pipeline(rank, world)}
+def _two_rank_checks(rank: int, world: int, save_dir: str) -> dict:
+    out = {"comm": _comm_checks(rank, world), "zero_init": _zero_init_checks(rank, world), "tied": _tied_pipeline(rank, world, save_dir)}
     for stage in (0, 2, 3):
         for zero_init in (False, True):
             out[("train", stage, zero_init)] = _train(rank, world, stage, zero_init)
@@ -217,8 +221,8 @@ def _reference(steps: int = 2, world: int = 2) -> tuple[list[list[float]], dict[
     return per_rank, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_comm_zero_init_and_gathered_parameters_on_two_ranks():
-    results = run_distributed_or_fail(_two_rank_checks, 2, timeout=900)
+def test_comm_zero_init_and_gathered_parameters_on_two_ranks(tmp_path):
+    results = run_distributed_or_fail(_two_rank_checks, 2, str(tmp_path), timeout=900)
     for rank, res in enumerate(results):
         comm = res["comm"]
         assert (comm["rank"], comm["world"], comm["local"], comm["initialized"]) == (rank, 2, rank, True)
@@ -251,6 +255,10 @@ def test_comm_zero_init_and_gathered_parameters_on_two_ranks():
         for name, value in res["tied"]["params"].items():
             torch.testing.assert_close(value, expected[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert "tied_modules.embed.weight" in results[0]["tied"]["params"] and "tied_modules.embed.weight" in results[1]["tied"]["params"]
+    saved16 = results[0]["tied"]["saved16"]  # one file, both stages, the single-process model's names and values
+    assert saved16.keys() == plain.state_dict().keys()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(saved16[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
     ref_losses, ref_params = _reference()
     for stage in (0, 2, 3):

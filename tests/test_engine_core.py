@@ -287,7 +287,7 @@ def test_memory_breakdown_reports_each_phase(caplog: pytest.LogCaptureFixture) -
         dscompile.initialize(model=_Net(), config={"lower": "eager"})[0].step_memory()
 
 
-def test_pipeline_engine_reports_timers_and_memory() -> None:
+def test_pipeline_engine_reports_timers_and_memory(tmp_path: Path) -> None:
     from dscompile.runtime.pipeline_engine import PipelineEngine
 
     cfg = {
@@ -310,8 +310,11 @@ def test_pipeline_engine_reports_timers_and_memory() -> None:
     assert list(memory) == ["schedule", "step"]
     assert memory["step"]["model_state_bytes"] == sum(p.numel() * 4 for p in model.parameters())  # SGD: no state, grads cleared
     assert memory["schedule"]["model_state_bytes"] == 2 * sum(p.numel() * 4 for p in model.parameters())
-    with pytest.raises(DSCompileConfigError, match="save_16bit_model"):
-        engine.save_16bit_model("unused")  # one consolidated file is not built under pipeline parallelism
+    assert engine.save_16bit_model(str(tmp_path), "model.pt") is True  # one stage: the whole model in one file
+    saved = torch.load(tmp_path / "model.pt")
+    assert saved.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(saved[name], value), name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -275,6 +275,8 @@ class EngineCore:
         self.memory = MemoryBreakdown(bool(config.memory_breakdown), self.model_state_bytes)
         self.comm_stats = CommStats(synchronize=bool(config.wall_clock_breakdown))
         self.last_logged: dict[str, Any] = {}
+        self.offloaded_states: Any = None  # what offload_states parked on the host (an OffloadedStates), until reload_states
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's value (None: counted)
 
     @property
     def rank(self) -> int:
@@ -344,6 +346,7 @@ class EngineCore:
         if self.optimizer is None:
             raise RuntimeError("engine.step(): no optimizer; pass optimizer= or set 'optimizer' in the config")
         assert self.gradients is not None
+        self.check_states_resident("engine.step()")
         with collecting(self.comm_stats):
             params = self.gradients.trainable_parameters()
             self.gradients.reduce(self)
@@ -429,8 +432,41 @@ class EngineCore:
         return tb
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` applies the optimizer (the last micro-step of a batch)."""
+        """True when the next ``step()`` applies the optimizer (the last micro-step of a batch), or as set by
+        ``set_gradient_accumulation_boundary``."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's manual override of the boundary: set it before each forward/backward, True on the last
+        one, and call ``step()`` once after them (``None`` returns to counting micro-steps)."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
+
+    # -- offload_states / reload_states (DeepSpeed's; runtime/offload/states.py) -------------------
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Copy model states to the host and free their device storage (ZeRO 1-3), as DeepSpeed's.
+
+        ``include``: ``OffloadStateTypeEnum`` members (None: all); ``device``: ``OffloadDeviceEnum.cpu``.
+        Training needs ``reload_states()`` first.
+        """
+        from dscompile.runtime.offload.states import offload
+
+        self.offloaded_states = offload(self, include, device, pin_memory, non_blocking, self.offloaded_states)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what ``offload_states`` moved, bit for bit, into the same tensors."""
+        from dscompile.runtime.offload.states import reload
+
+        if self.offloaded_states is not None:
+            reload(self.offloaded_states, None, non_blocking)
+            self.offloaded_states = None
+
+    def check_states_resident(self, what: str) -> None:
+        """A clear error instead of a shape error when training runs on offloaded states."""
+        if self.offloaded_states is not None and self.offloaded_states.parked:
+            kinds = ", ".join(k.value for k in self.offloaded_states.parked)
+            raise RuntimeError(f"{what}: model states ({kinds}) are offloaded by engine.offload_states(); call engine.reload_states() first")
 
     def destroy(self) -> None:
         """Release compiled graphs, hooks and extension buffers (DeepSpeed's ``destroy``); idempotent.

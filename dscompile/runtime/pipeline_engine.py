@@ -486,10 +486,42 @@ class PipelineEngine(EngineCore):
         return out
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Refused: each rank holds only its stages, and one consolidated file is not built yet."""
-        raise DSCompileNotSupportedError(
-            "save_16bit_model", "saving one consolidated 16-bit model under pipeline parallelism (use save_checkpoint: per-stage files)"
-        )
+        """One consolidated file on rank 0, DeepSpeed's layout: ``torch.save`` of the model's full
+        ``state_dict`` (its own names, tied names included) in the training precision.
+
+        Every stage's parameters and buffers are gathered from the ranks of data-parallel replica 0
+        (each rank holds only its stages). A collective on every rank; returns True.
+        """
+        if self.program is None:
+            raise RuntimeError("save_16bit_model before the first train_batch: nothing is partitioned yet")
+        names: dict[int, list[str]] = {}
+        by_id: dict[int, torch.Tensor] = {}
+        for name, t in [*self.root.named_parameters(remove_duplicate=False), *self.root.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), []).append(name[len(self._strip) :] if name.startswith(self._strip) else name)
+            by_id[id(t)] = t
+        owned = set(self._owned_ids)
+        for s in self.local_stages:
+            owned.update(id(b) for b in self.program.stages[s].module.buffers())
+        mine: dict[str, torch.Tensor] = {}
+        if self.dp_id == 0:
+            for pid in owned & by_id.keys():
+                for name in names[pid]:
+                    mine[name] = by_id[pid].detach().to("cpu", copy=True)  # pickled for the gather: host copies
+        pieces: list[Any] = [mine]
+        if self.world_size > 1:
+            pieces = [None] * self.world_size if self.global_rank == 0 else []
+            dist.gather_object(mine, pieces if self.global_rank == 0 else None, dst=0)
+        if self.global_rank == 0:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+            for piece in pieces:
+                state.update(piece)
+            if self.compute_dtype is not None:
+                state = {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in state.items()}
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        if self.world_size > 1:
+            dist.barrier()
+        return True
 
     def idle_fraction(self) -> float:
         return self.last_timeline.idle_fraction() if self.last_timeline else 0.0

@@ -30,6 +30,7 @@ PACKAGES = (
     "dscompile.runtime.onebit",
     "dscompile.runtime.compression",
     "dscompile.runtime.offload",
+    "dscompile.runtime.zero",
     "dscompile.moe",
     "dscompile.testing",
     "dscompile.zoo",
