@@ -94,6 +94,14 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def kv_heads_and_dim(config: Any) -> tuple[int, int]:
+    """Key/value heads and head size of a Hugging Face config (grouped-query attention included)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv_heads, head_dim
+
+
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Positions of left-padded rows as Hugging Face's ``generate`` computes them."""
     positions = mask.long().cumsum(-1) - 1
@@ -125,6 +133,10 @@ class StaticCacheGenerator:
         cache = self._caches.get(key)
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=self.max_out_tokens)
+            # Allocated here, outside the graphs: lazily, the first (compiled) prefill would create the
+            # tensors inside its graph, and the decode graph would never see them as the same state.
+            heads, head_dim = kv_heads_and_dim(self.model.config)
+            cache.early_initialization(batch, heads, head_dim, dtype, device)
             self._caches[key] = cache
         else:
             cache.reset()
