@@ -26,7 +26,7 @@ from dscompile.runtime.inference.config import InferenceConfig, parse_inference_
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
 
-FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_bias_activation", "fuse_residual_norm")
+FUSION_PASSES = ("fuse_shared_input_matmuls",)
 
 
 def inference_pipeline(config: InferenceConfig) -> str:

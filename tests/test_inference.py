@@ -178,3 +178,33 @@ def test_dce_keeps_in_place_tensor_methods() -> None:
     compiled(torch.ones(2), counter)
     compiled(torch.ones(2), counter)
     assert counter.item() == 2
+
+
+@pytest.mark.parametrize("arch,groups", [("llama", 4), ("opt", 2)])
+def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Q/K/V (and a gated MLP's gate/up) found in the graph and run as one matmul: same tokens and logits as eager."""
+    model = tiny(arch)
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        logits = model(ids, attention_mask=mask).logits
+    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=32, lower="eager", replace_with_kernel_inject=True)
+    with caplog.at_level("INFO", logger="dscompile.passes.inference_fusion"):
+        torch.testing.assert_close(engine(ids, attention_mask=mask).logits, logits, rtol=0, atol=1e-5)
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), ref)
+    fused = [r.getMessage() for r in caplog.records if "sharing an input fused" in r.getMessage()]
+    assert len(fused) == 3 and all(m.endswith(f": {groups} groups of linear layers sharing an input fused") for m in fused), fused
+    assert engine.compile_counts["decode"] == 1
+
+
+def test_fusion_skipped_with_gradients_on() -> None:
+    from dscompile.passes.inference_fusion import shared_input_groups
+
+    lin = torch.nn.ModuleList([torch.nn.Linear(8, 4), torch.nn.Linear(8, 6)])
+    compiled = torch.compile(lambda x: lin[0](x) * 2 + lin[1](x)[:, :4], backend="dscompile", options={"pipeline": "fuse_shared_input_matmuls,lower(eager)"})
+    x = torch.randn(3, 8, requires_grad=True)
+    out = compiled(x)
+    out.sum().backward()  # trained as written: gradients reach both weights
+    assert lin[0].weight.grad is not None and lin[1].weight.grad is not None
+    graph = torch.fx.symbolic_trace(lambda x: torch.nn.functional.linear(x, torch.ones(2, 8)) + torch.nn.functional.linear(x, torch.ones(2, 8)))
+    assert len(shared_input_groups(graph)) == 1
