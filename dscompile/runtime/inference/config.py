@@ -165,7 +165,9 @@ class InferenceConfig:
         self.dtype = parse_dtype(self.dtype)
         if self.dtype == torch.int8:
             raise DSCompileConfigError(
-                "dtype", "torch.int8 (DeepSpeed's MoQ path) is not a compute dtype here", 'keep a float dtype and set quant={"enabled": True, "weight": {"num_bits": 8}}'
+                "dtype",
+                "torch.int8 (DeepSpeed's MoQ path) is not a compute dtype here",
+                'keep a float dtype and set quant={"enabled": True, "weight": {"num_bits": 8}}',
             )
         if self.max_out_tokens < 1:
             raise DSCompileConfigError("max_out_tokens", f"must be >= 1, got {self.max_out_tokens}")

@@ -18,6 +18,7 @@ Hugging Face's ``generate`` gives from the same logits.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections.abc import Callable
@@ -132,7 +133,7 @@ class StaticCacheGenerator:
         key = (batch, dtype, device)
         cache = self._caches.get(key)
         if cache is None:
-            cache = StaticCache(config=self.model.config, max_cache_len=self.max_out_tokens)
+            cache = StaticCache(config=self.full_attention_config(), max_cache_len=self.max_out_tokens)
             # Allocated here, outside the graphs: lazily, the first (compiled) prefill would create the
             # tensors inside its graph, and the decode graph would never see them as the same state.
             heads, head_dim = kv_heads_and_dim(self.model.config)
@@ -141,6 +142,30 @@ class StaticCacheGenerator:
         else:
             cache.reset()
         return cache
+
+    def full_attention_config(self) -> Any:
+        """The model's config for the cache, sliding windows dropped when they cannot slide within the cache.
+
+        transformers' sliding-window cache layers keep their fill level as a Python int, which a
+        compiled decode step would guard on (one recompile per token). A window at least
+        ``max_out_tokens`` long never slides in a cache that size, so full-attention layers are exact."""
+        config = self.model.config
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or ()
+        if window is None and "sliding_attention" not in layer_types:
+            return config
+        if window is not None and window < self.max_out_tokens:
+            raise DSCompileConfigError(
+                "max_out_tokens",
+                f"the model attends over a sliding window of {window} tokens, shorter than max_out_tokens={self.max_out_tokens}: "
+                "a sliding static cache is not built yet (its decode step would recompile per token)",
+                f"set max_out_tokens <= {window}",
+            )
+        config = copy.copy(config)
+        config.sliding_window = None
+        if layer_types:
+            config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in layer_types]
+        return config
 
     def check_lengths(self, prompt: int, new: int) -> None:
         room = self.max_out_tokens - prompt
@@ -159,7 +184,8 @@ class StaticCacheGenerator:
         if room < self.min_out_tokens:
             raise DSCompileConfigError(
                 "min_out_tokens",
-                f"only {room} of the min_out_tokens={self.min_out_tokens} output tokens fit after a {prompt}-token prompt in max_out_tokens={self.max_out_tokens}",
+                f"only {room} of the min_out_tokens={self.min_out_tokens} output tokens fit after a {prompt}-token prompt "
+                f"in max_out_tokens={self.max_out_tokens}",
                 "raise max_out_tokens or shorten the prompt",
             )
 
