@@ -10,6 +10,8 @@ to keep the file's compile time small.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -23,38 +25,33 @@ VOCAB = 96
 NEW = 32
 
 
-def tiny(arch: str) -> torch.nn.Module:
+def tiny(arch: str, **overrides: object) -> torch.nn.Module:
     """A 2-layer model of ``arch`` with random weights (seeded) and no EOS, so 32 tokens always come out."""
     tf = transformers
     common = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    attention = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
     if arch == "gpt2":
-        config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=128, **common)
-        cls = tf.GPT2LMHeadModel
+        config, cls = tf.GPT2Config, tf.GPT2LMHeadModel
     elif arch == "llama":
-        config = tf.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128, **common
-        )
-        cls = tf.LlamaForCausalLM
+        config, cls = tf.LlamaConfig, tf.LlamaForCausalLM
+        kwargs = {**attention, **common}
     elif arch == "mistral":
-        config = tf.MistralConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128, **common
-        )
-        cls = tf.MistralForCausalLM
+        config, cls = tf.MistralConfig, tf.MistralForCausalLM
+        kwargs = {**attention, **common}
     elif arch == "opt":
-        config = tf.OPTConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64, max_position_embeddings=128, word_embed_proj_dim=32, **common
-        )
-        cls = tf.OPTForCausalLM
+        config, cls = tf.OPTConfig, tf.OPTForCausalLM
+        kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64, max_position_embeddings=128, word_embed_proj_dim=32, **common)
     elif arch == "bert":
-        config = tf.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64)
-        cls = tf.BertForMaskedLM
+        config, cls = tf.BertConfig, tf.BertForMaskedLM
+        kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64)
     else:
         raise ValueError(arch)
-    gen = torch.Generator().manual_seed(0)
+    if arch == "gpt2":
+        kwargs = dict(n_layer=2, n_embd=32, n_head=2, n_positions=128, **common)
+    kwargs.update(overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = cls(config).eval()
-    del gen
+        model = cls(config(**kwargs)).eval()
     return model
 
 
@@ -118,7 +115,7 @@ def test_sampling_seeded_and_eos() -> None:
     model = tiny("llama")
     ids, mask = left_padded_batch()
     engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=48, lower="eager")
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
     first = engine.generate(ids, seed=5, **kwargs)
     assert torch.equal(first, engine.generate(ids, seed=5, **kwargs))
     assert not torch.equal(first, engine.generate(ids, seed=6, **kwargs))
@@ -181,7 +178,7 @@ def test_dce_keeps_in_place_tensor_methods() -> None:
 
 
 @pytest.mark.parametrize("arch,groups", [("llama", 4), ("opt", 2)])
-def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int, caplog: pytest.LogCaptureFixture) -> None:
+def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int) -> None:
     """Q/K/V (and a gated MLP's gate/up) found in the graph and run as one matmul: same tokens and logits as eager."""
     model = tiny(arch)
     ids, mask = left_padded_batch()
@@ -189,10 +186,20 @@ def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int, caplog
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         logits = model(ids, attention_mask=mask).logits
     engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=32, lower="eager", replace_with_kernel_inject=True)
-    with caplog.at_level("INFO", logger="dscompile.passes.inference_fusion"):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("dscompile.passes.inference_fusion")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
         torch.testing.assert_close(engine(ids, attention_mask=mask).logits, logits, rtol=0, atol=1e-5)
         assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), ref)
-    fused = [r.getMessage() for r in caplog.records if "sharing an input fused" in r.getMessage()]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    fused = [r.getMessage() for r in records if "sharing an input fused" in r.getMessage()]
     assert len(fused) == 3 and all(m.endswith(f": {groups} groups of linear layers sharing an input fused") for m in fused), fused
     assert engine.compile_counts["decode"] == 1
 

@@ -56,28 +56,44 @@ def test_codes_match_plain_torch_reference(bits: int, groups: int, q_type: str) 
     assert checked == 8
 
 
-@pytest.mark.parametrize("bits,bound", [(8, 0.26 + 0.02), (4, 0.125 + 0.02)])
-def test_model_bytes_shrink(bits: int, bound: float) -> None:
-    model = tiny("llama")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_model_bytes_shrink(bits: int) -> None:
+    """Codes are exactly bits/32 of the fp32 weights; scales (one per row group) and the fp32 norms add a little."""
+    wide = dict(hidden_size=128, intermediate_size=256)
+    model = tiny("llama", **wide)
     fp32_bytes = model_bytes(model)
+    weights = {name: p.numel() for name, p in model.named_parameters() if p.dim() == 2}
     engine = dscompile.init_inference(model, dtype=torch.float32, quant={"enabled": True, "weight": {"num_bits": bits, "q_groups": 4}}, lower="eager")
+    assert engine.quantized_layers == {"linear": 2 * 7 + 1, "embedding": 1, "tied": 0}
+    for name, numel in weights.items():
+        packed = engine.module.get_submodule(name.rpartition(".")[0]).packed
+        assert packed.data.numel() * packed.data.element_size() == numel * bits // 8, name
     ratio = engine.model_bytes() / fp32_bytes
-    # codes are bits/32 of fp32; per-row-group scales and the fp32 norm weights are the rest
-    assert bits / 32 < ratio < bound, ratio
-    assert engine.quantized_layers["linear"] == 2 * 7 + 1 and engine.quantized_layers["embedding"] == 1
+    assert bits / 32 < ratio < bits / 32 + 0.02, ratio
 
 
-@pytest.mark.parametrize("arch,lower", [("llama", None), ("gpt2", "eager"), ("opt", "eager")])
-def test_int8_top1_agreement(arch: str, lower: str | None) -> None:
+@pytest.mark.parametrize("arch,lower,bar", [("llama", None, 0.98), ("gpt2", "eager", 0.99), ("opt", "eager", 0.99)])
+def test_int8_top1_agreement(arch: str, lower: str | None, bar: float) -> None:
+    """Top-1 next token of the int8 model vs fp32 on 512 positions of random prompts.
+
+    Random-weight tiny models have near-uniform logits, so some positions are near ties: every
+    disagreement must be one (the fp32 logits of the two tokens closer than twice the largest
+    logit error), and the agreement must reach ``bar`` (measured: llama 98.6%, gpt2 99.4%,
+    opt 99.6%; llama's random logits tie most often).
+    """
     fp32 = tiny(arch)
-    ids = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, VOCAB, (16, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        expected = fp32(ids).logits.argmax(-1)
-    quant = {"enabled": True, "weight": {"num_bits": 8, "q_groups": 32}}
+        ref = fp32(ids).logits
+    quant = {"enabled": True, "weight": {"num_bits": 8, "q_groups": 64}}
     engine = dscompile.init_inference(tiny(arch), dtype=torch.float32, quant=quant, lower=lower)
-    got = engine(ids).logits.argmax(-1)
-    agreement = float((got == expected).float().mean())
-    assert agreement >= 0.99, agreement
+    got = engine(ids).logits
+    ours, theirs = got.argmax(-1), ref.argmax(-1)
+    agreement = float((ours == theirs).float().mean())
+    error = float((got - ref).abs().max())
+    gap = ref.gather(-1, theirs[..., None]) - ref.gather(-1, ours[..., None])
+    assert float(gap.max()) <= 2 * error, (float(gap.max()), error)
+    assert agreement >= bar, agreement
 
 
 def test_int4_generates_and_bad_groups_refused() -> None:

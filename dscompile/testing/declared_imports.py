@@ -30,6 +30,7 @@ PACKAGES = (
     "dscompile.runtime.onebit",
     "dscompile.runtime.compression",
     "dscompile.runtime.offload",
+    "dscompile.runtime.inference",
     "dscompile.moe",
     "dscompile.testing",
     "dscompile.zoo",
