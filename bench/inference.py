@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", action="store_true", help="also int8 weight-only dscompile")
     parser.add_argument("--skip-hf-compile", action="store_true", help="leave out torch.compile(model.forward) (its compile is slow on CPU)")
+    parser.add_argument("--no-fused", action="store_true", help="leave out dscompile with replace_with_kernel_inject (one compile less)")
     args = parser.parse_args()
     torch.manual_seed(0)
     params = sum(p.numel() for p in build(args.arch, args.size).parameters())
@@ -133,7 +134,8 @@ def main() -> None:
             if not args.skip_hf_compile:
                 contenders["hf static+torch.compile"] = hf_static_compiled(fresh(), args.new)
             contenders["dscompile fp32"] = dscompile_engine(fresh(), args.new, args.prompt)
-            contenders["dscompile fp32 fused"] = dscompile_engine(fresh(), args.new, args.prompt, replace_with_kernel_inject=True)
+            if not args.no_fused:
+                contenders["dscompile fp32 fused"] = dscompile_engine(fresh(), args.new, args.prompt, replace_with_kernel_inject=True)
             if args.quant:
                 contenders["dscompile int8"] = dscompile_engine(
                     fresh(), args.new, args.prompt, quant={"enabled": True, "weight": {"num_bits": 8, "q_groups": 64}}
