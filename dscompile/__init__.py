@@ -21,6 +21,7 @@ from dscompile.errors import (
     DSCompilePipelineError,
 )
 from dscompile.frontend import dscompile_backend
+from dscompile.inference import InferenceEngine, init_inference
 from dscompile.pipe import PipelineModule  # noqa: E402
 from dscompile.runtime.pipeline_engine import PipelineEngine  # noqa: E402
 from dscompile.runtime.pipeline_markers import pipeline_split
@@ -49,6 +50,8 @@ __all__ = [
     "DSConfig",
     "dscompile_backend",
     "initialize",
+    "init_inference",
+    "InferenceEngine",
     "load_config",
     "pipeline_split",
 ]

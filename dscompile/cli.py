@@ -1,4 +1,4 @@
-"""The ``dscompile`` command: ``dump`` graphs pass by pass, list ``passes``, run the ``demo``, ``compress`` a model, ``plan`` offload."""
+"""The ``dscompile`` command: ``dump`` graphs pass by pass, list ``passes``, run the ``demo``, ``compress`` a model, ``plan`` offload, ``generate`` tokens."""
 
 from __future__ import annotations
 
@@ -239,6 +239,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_ids(text: str | None, default: tuple) -> Any:
+    """``--prompt "5 17 42"`` (token ids, spaces or commas) as a ``[1, n]`` tensor; the factory's input without it."""
+    import torch
+
+    if text is None:
+        ids = default[0] if default else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise CLIError("give --prompt (token ids) or a factory whose example input is a [batch, length] tensor of token ids")
+        return ids
+    try:
+        tokens = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise CLIError(f"--prompt takes token ids separated by spaces or commas (no tokenizer is loaded), got {text!r}") from None
+    if not tokens:
+        raise CLIError("--prompt is empty")
+    return torch.tensor([tokens], dtype=torch.long)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate with ``init_inference`` (static KV cache, compiled prefill and decode) and print tokens/s."""
+    from dscompile.inference import init_inference
+
+    model, inputs = _call_factory(load_target(args.target), args.target)
+    ids = _prompt_ids(args.prompt, inputs)
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    config: dict[str, Any] = {
+        "dtype": args.dtype,
+        "max_out_tokens": args.max_out_tokens or ids.shape[1] + args.max_new_tokens,
+        "replace_with_kernel_inject": args.kernel_inject,
+    }
+    if args.lower:
+        config["lower"] = args.lower
+    if args.quant_bits:
+        config["quant"] = {"enabled": True, "weight": {"num_bits": args.quant_bits, "q_groups": args.q_groups}}
+    engine = init_inference(model, config=config)
+    out = engine.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, seed=args.seed, return_dict_in_generate=True)
+    if args.runs > 1:  # the first run compiles; time the last one
+        for _ in range(args.runs - 1):
+            out = engine.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, seed=args.seed, return_dict_in_generate=True)
+    for row in out.sequences.tolist():
+        print(" ".join(str(t) for t in row[ids.shape[1] :]))
+    total = out.first_token_s + out.decode_s
+    rate = out.new_tokens * ids.shape[0] / total if total > 0 else float("inf")
+    note = " (includes compilation: pass --runs 2 to time a compiled run)" if args.runs == 1 else ""
+    print(
+        f"{out.new_tokens} new tokens x {ids.shape[0]} sequences in {total:.3f} s: {rate:.1f} tokens/s, "
+        f"first token {1000 * out.first_token_s:.1f} ms{note}; graphs compiled {engine.compile_counts}"
+    )
+    return 0
+
+
 def cmd_zero_to_fp32(args: argparse.Namespace) -> int:
     from dscompile.runtime.zero_checkpoint import main as zero_to_fp32
 
@@ -274,6 +326,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, help="a ds_config.json with zero_optimization.offload_optimizer")
     plan.add_argument("--world", type=int, default=1, help="data-parallel ranks to plan for (default 1)")
     plan.set_defaults(func=cmd_plan)
+    gen = sub.add_parser("generate", help="generate tokens with init_inference (static KV cache, compiled decode) and print tokens/s")
+    gen.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory returning (a Hugging Face causal LM, (input_ids,))")
+    gen.add_argument("--prompt", help="prompt token ids separated by spaces or commas (default: the factory's example input_ids)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--max-out-tokens", type=int, default=None, help="KV cache size (default: prompt + new tokens)")
+    gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    gen.add_argument("--quant-bits", type=int, choices=(8, 4), default=None, help="weight-only quantization")
+    gen.add_argument("--q-groups", type=int, default=1)
+    gen.add_argument("--kernel-inject", action="store_true", help="run the inference fusion passes (replace_with_kernel_inject)")
+    gen.add_argument("--lower", choices=("eager", "inductor", "triton"), default=None)
+    gen.add_argument("--do-sample", action="store_true")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--runs", type=int, default=1, help="generate this many times and time the last (the first compiles)")
+    gen.set_defaults(func=cmd_generate)
     z2f = sub.add_parser(
         "zero-to-fp32", help="consolidate a ZeRO checkpoint (dscompile's or DeepSpeed's) into one fp32 state_dict: CKPT OUT [--tag TAG]"
     )

@@ -19,8 +19,17 @@ _NONDETERMINISTIC_TAG = torch.Tag.nondeterministic_seeded
 @register_pass("dce", graphs=("pre_autograd", "joint", "forward", "backward"))
 def dead_code_elimination(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.GraphModule:
     """Remove nodes whose results nobody uses (side-effecting ops such as collectives and copies stay)."""
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     return gm
+
+
+def _is_impure(node: torch.fx.Node) -> bool:
+    """fx's rule, plus in-place Tensor methods: fx treats every ``call_method`` as pure, so a Dynamo
+    graph's ``cache.index_copy_(...)`` or ``counter.add_(1)`` whose result is unused would be dropped
+    (a static KV cache would then never be written)."""
+    if node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("__"):
+        return True
+    return node.is_impure()
 
 
 def _is_pure(node: torch.fx.Node) -> bool:

@@ -31,6 +31,7 @@ PACKAGES = (
     "dscompile.runtime.compression",
     "dscompile.runtime.offload",
     "dscompile.runtime.zero",
+    "dscompile.runtime.inference",
     "dscompile.moe",
     "dscompile.testing",
     "dscompile.zoo",

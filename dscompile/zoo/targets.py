@@ -49,3 +49,22 @@ def hf_gpt2() -> Target:
 
 def hf_llama() -> Target:
     return _target("hf_llama")
+
+
+def _hf_lm(make_name: str) -> Target:
+    """The bare Hugging Face causal LM (no zoo wrapper), so ``generate`` works on it: ``dscompile generate``'s targets."""
+    from dscompile.zoo import hf
+    from dscompile.zoo.case import seeded
+
+    with seeded(0):
+        model = getattr(hf, make_name)(hf.HFConfig()).eval()
+    prompt = torch.randint(0, hf.HFConfig().vocab_size - 1, (1, 8), generator=torch.Generator().manual_seed(0))
+    return model, (prompt,)
+
+
+def hf_gpt2_lm() -> Target:
+    return _hf_lm("_gpt2_module")
+
+
+def hf_llama_lm() -> Target:
+    return _hf_lm("_llama_module")

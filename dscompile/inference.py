@@ -1,0 +1,159 @@
+"""``dscompile.init_inference``: DeepSpeed-Inference's entry point, as compiled graphs.
+
+``engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=256, quant={...},
+replace_with_kernel_inject=True)`` (or ``config={...}`` with the same keys, DeepSpeed's
+``DeepSpeedInferenceConfig``) returns an ``InferenceEngine``: ``engine(input_ids)`` runs the model's
+forward through ``torch.compile(backend="dscompile")``, and ``engine.generate(...)`` generates
+from a Hugging Face causal LM with a static KV cache of ``max_out_tokens`` slots, so the prefill
+and decode steps are two compiled graphs and the decode graph compiles once
+(``dscompile.runtime.inference.generation``). With ``replace_with_kernel_inject`` the graphs go
+through the inference fusion passes (``passes/inference_fusion.py``) instead of DeepSpeed's
+per-architecture kernel containers; with ``quant`` the weights are stored packed
+(``dscompile.runtime.inference.weights``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dscompile.errors import DSCompileConfigError
+from dscompile.frontend import dscompile_backend
+from dscompile.runtime.inference.config import InferenceConfig, parse_inference_config
+from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
+from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
+
+FUSION_PASSES = ("fuse_shared_input_matmuls",)
+
+
+def inference_pipeline(config: InferenceConfig) -> str:
+    """The pass pipeline of the engine's graphs: cleanup, the fusion passes when kernels are injected, lowering."""
+    passes = ["cse", "noop_views", "dce"]
+    if config.replace_with_kernel_inject:
+        passes += [*FUSION_PASSES, "dce"]
+    passes.append(f"lower({config.lower or 'auto'})")
+    return ",".join(passes)
+
+
+def _prefill_step(model: nn.Module) -> Callable[..., torch.Tensor]:
+    def prefill(**kwargs: Any) -> torch.Tensor:
+        return model(**kwargs).logits
+
+    return prefill
+
+
+def _decode_step(model: nn.Module) -> Callable[..., torch.Tensor]:
+    def decode(**kwargs: Any) -> torch.Tensor:  # its own code object: Dynamo caches it apart from prefill
+        return model(**kwargs).logits
+
+    return decode
+
+
+class InferenceEngine(nn.Module):
+    """A model prepared for inference: called like the model, plus ``generate`` for causal LMs.
+
+    ``compile_counts``: graphs compiled so far for the plain forward, the prefill and the decode
+    step (the decode count stays at its first value however many tokens are generated).
+    """
+
+    def __init__(self, model: nn.Module, config: InferenceConfig) -> None:
+        super().__init__()
+        self.config = config
+        model.eval()
+        model.to(config.dtype)
+        self.quantized_layers: dict[str, int] = {}
+        bits = config.quant.weight_bits
+        if bits is not None:
+            weight = config.quant.weight
+            self.quantized_layers = quantize_model_weights(model, bits, weight.q_groups, weight.q_type == "symmetric")
+        self.module = model
+        self.compile_counts = {"forward": 0, "prefill": 0, "decode": 0}
+        self.options: dict[str, Any] = {"pipeline": inference_pipeline(config)}
+        if config.dump:
+            self.options["dump"] = config.dump
+        self._forward = torch.compile(model, backend=self._backend("forward"))
+        self._generator: StaticCacheGenerator | None = None
+
+    def _backend(self, name: str) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
+        def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+            self.compile_counts[name] += 1
+            return dscompile_backend(gm, example_inputs, options=self.options)
+
+        return backend
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return self._forward(*args, **kwargs)
+
+    def model_bytes(self) -> int:
+        """Bytes of the model's weights in memory (packed codes and scales when quantized)."""
+        return model_bytes(self.module)
+
+    def _static_generator(self) -> StaticCacheGenerator:
+        if self._generator is None:
+            if not hasattr(self.module, "generation_config") or not hasattr(self.module, "config"):
+                raise TypeError(f"generate needs a Hugging Face causal language model; {type(self.module).__name__} has no generation_config")
+            prefill = torch.compile(_prefill_step(self.module), backend=self._backend("prefill"))
+            decode = torch.compile(_decode_step(self.module), backend=self._backend("decode"), dynamic=False)
+            self._generator = StaticCacheGenerator(self.module, self.config.max_out_tokens, self.config.min_out_tokens, prefill, decode)
+        return self._generator
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        return_dict_in_generate: bool = False,
+        output_logits: bool = False,
+    ) -> torch.Tensor | GenerationOutput:
+        """Hugging Face's ``generate`` for the common arguments: prompt + new tokens, ``[batch, length]``.
+
+        Left-padded batches pass ``attention_mask``. Sampling draws from ``generator``, or from a
+        generator seeded with ``seed``, or else from torch's global generator (as Hugging Face does,
+        so ``torch.manual_seed(s)`` before either gives the same tokens). ``eos_token_id`` and
+        ``pad_token_id`` default to the model's ``generation_config``; rows that reached EOS are
+        padded, and generation stops when all have.
+        """
+        gen_config = self.module.generation_config if hasattr(self.module, "generation_config") else None
+        prompt = input_ids.shape[-1]
+        if max_new_tokens is None:
+            if max_length is None:
+                max_length = getattr(gen_config, "max_length", None) or 20
+            max_new_tokens = max_length - prompt
+        if max_new_tokens < 1:
+            raise ValueError(f"nothing to generate: max_new_tokens={max_new_tokens} (prompt of {prompt} tokens)")
+        if eos_token_id is None and gen_config is not None:
+            eos_token_id = gen_config.eos_token_id
+        if pad_token_id is None and gen_config is not None:
+            pad_token_id = gen_config.pad_token_id
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        out = self._static_generator().generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id, generator, output_logits)
+        return out if return_dict_in_generate else out.sequences
+
+
+def init_inference(model: nn.Module, config: dict[str, Any] | None = None, **kwargs: Any) -> InferenceEngine:
+    """DeepSpeed's ``deepspeed.init_inference(model, config=None, **kwargs)``.
+
+    Keys (as keyword arguments or in ``config``; keywords win): ``dtype``, ``max_out_tokens``,
+    ``min_out_tokens``, ``replace_with_kernel_inject``, ``quant``, ``tensor_parallel`` (``tp_size``
+    1 only for now), and dscompile's ``lower`` and ``dump``; DeepSpeed's other keys are refused by
+    name when set (``dscompile.runtime.inference.config``).
+    """
+    if not isinstance(model, nn.Module):
+        raise DSCompileConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}")
+    return InferenceEngine(model, parse_inference_config(config, **kwargs))
