@@ -566,7 +566,6 @@ class EngineCore:
         ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true, as in DeepSpeed;
         otherwise nothing is written and False is returned. A collective on every rank.
         """
-        import os
 
         section = self.config.sections.get("zero_optimization")
         if section is not None and section.stage == 3 and not (
@@ -585,13 +584,18 @@ class EngineCore:
                 first = first_names.setdefault(id(p), name)
                 if first in full:
                     state[name] = full[first]  # tied names share the gathered value
-            if self.compute_dtype is not None:
-                state = {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in state.items()}
-            os.makedirs(save_dir, exist_ok=True)
-            torch.save(state, os.path.join(save_dir, save_filename))
+            write_16bit_state(state, self.compute_dtype, save_dir, save_filename)
         if self.world_size > 1:
             dist.barrier()
         return True
+
+
+def write_16bit_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None, save_dir: str, save_filename: str) -> None:
+    """``save_16bit_model``'s file: the full state dict in the training precision (floating tensors cast), one ``torch.save``."""
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    os.makedirs(save_dir, exist_ok=True)
+    torch.save(state, os.path.join(save_dir, save_filename))
 
 
 def params_or_error(module: nn.Module, needs_training: bool) -> list[nn.Parameter]:

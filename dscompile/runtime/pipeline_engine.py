@@ -48,7 +48,7 @@ from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
-from dscompile.runtime.engine_core import EngineCore, params_or_error, world_info
+from dscompile.runtime.engine_core import EngineCore, params_or_error, world_info, write_16bit_state
 from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forward_only
 from dscompile.runtime.pipeline_gradients import PipelineGradients
 from dscompile.runtime.pipeline_p2p import P2P
@@ -515,10 +515,7 @@ class PipelineEngine(EngineCore):
             state = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
             for piece in pieces:
                 state.update(piece)
-            if self.compute_dtype is not None:
-                state = {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in state.items()}
-            os.makedirs(save_dir, exist_ok=True)
-            torch.save(state, os.path.join(save_dir, save_filename))
+            write_16bit_state(state, self.compute_dtype, save_dir, save_filename)
         if self.world_size > 1:
             dist.barrier()
         return True
