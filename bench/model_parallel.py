@@ -22,15 +22,21 @@ d_model 128, 2 layers, seq 64: 80 / 405 / 169 ms (0.48x DTensor compiled). Param
 equal the ideal split (1.000) for all three; peak memory a step adds (RSS high-water mark):
 2.8 / 6.0 / 12.6 MiB; losses identical across the three.
 
-    python bench/model_parallel.py [--steps 5] [--d-model 256] [--layers 4] [--seq 128] [--batch 4]
+    python bench/model_parallel.py [--steps 5] [--d-model 256] [--layers 4] [--seq 128] [--batch 4] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import alternate, median_spread, ratio_cell  # noqa: E402  (bench/harness.py)
 
 
 def _rss(field: str) -> int:
@@ -126,30 +132,36 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1, help="variants alternated A B C A B C ...: each runs this many times; median and spread")
     args = parser.parse_args()
     sizes = {
         "d_model": args.d_model, "n_heads": 8, "n_kv_heads": 4, "n_layers": args.layers, "hidden_dim": 4 * args.d_model,
         "seq_len": args.seq, "vocab_size": 512, "batch_size": args.batch,
     }  # fmt: skip
-    rows = {}
-    for variant in ("dscompile", "dtensor eager", "dtensor compiled"):
+
+    def run_peer(variant: str, round_index: int) -> dict[str, Any]:
         results = run_distributed(run_variant, 2, variant, sizes, args.steps, timeout=900)
-        rows[variant] = {
+        row = {
             "ms": max(r["ms"] for r in results),
             "held": max(r["held"] for r in results),
             "ideal": results[0]["ideal"],
             "peak_added": max(r["peak_added"] for r in results),
             "loss": results[0]["losses"][-1],
         }
-    base = rows["dtensor compiled"]
-    print(f"TP=2 on gloo, zoo llama {sizes}")
-    print(f"{'variant':18} {'step ms':>9} {'x dt-comp':>9} {'param MiB/rank':>15} {'vs ideal':>9} {'peak+ MiB':>10} {'last loss':>10}")
-    for variant, r in rows.items():
-        print(
-            f"{variant:18} {r['ms']:9.1f} {r['ms'] / base['ms']:9.2f} {r['held'] / 2**20:15.2f} {r['held'] / r['ideal']:9.3f} "
-            f"{r['peak_added'] / 2**20:10.1f} {r['loss']:10.4f}"
-        )
+        print(f"[round {round_index + 1}] {variant}: {row['ms']:.1f} ms/step", flush=True)
+        return row
 
+    runs = alternate(("dscompile", "dtensor eager", "dtensor compiled"), args.rounds, run_peer)
+    base = runs["dtensor compiled"]
+    print(f"TP=2 on gloo, zoo llama {sizes}; {args.rounds} round(s), variants alternated, medians; ratio: median of per-round ratios [min-max]")
+    print(f"{'variant':18} {'step ms':>9} {'spread':>7} {'x dt-comp':>20} {'param MiB/rank':>15} {'vs ideal':>9} {'peak+ MiB':>10} {'last loss':>10}")
+    for variant, rows in runs.items():
+        ms, spread = median_spread(r["ms"] for r in rows)
+        r = rows[-1]
+        print(
+            f"{variant:18} {ms:9.1f} {spread:6.0%} {ratio_cell(rows, base, 'ms'):>20} {r['held'] / 2**20:15.2f} {r['held'] / r['ideal']:9.3f} "
+            f"{max(x['peak_added'] for x in rows) / 2**20:10.1f} {r['loss']:10.4f}"
+        )
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zero import PeakSampler, _batches, _case, _rss  # noqa: E402  (bench/zero.py: same model, data and sampler)
+from harness import alternate, median_spread, ratio_cell, resident_bytes, timed_steps  # noqa: E402  (bench/harness.py)
+from zero import _batches, _case  # noqa: E402  (bench/zero.py: the same model and data)
 
 PEERS = ["dscompile-none", "dscompile-cpu", "dscompile-nvme", "fsdp2", "fsdp2-cpuoffload", "deepspeed-cpu", "deepspeed-nvme"]
 LR = 1e-4
@@ -110,7 +110,7 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
 
     if peer.startswith("deepspeed"):
         import deepspeed  # noqa: F401
-    baseline = _rss()
+    baseline = resident_bytes()
     torch.manual_seed(0)
     case = _case(args)
     params = sum(p.numel() for p in case.model.parameters())
@@ -118,15 +118,8 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
     nvme_dir = os.path.join(args["nvme_path"], f"{peer}-world{world}")
     os.makedirs(nvme_dir, exist_ok=True)
     step, swap_bytes = _build(peer, case, args, nvme_dir)
-    losses = [step(batch) for batch in batches[: args["warmup"]]]
-    times = []
-    with PeakSampler() as sampler:
-        for batch in batches[args["warmup"] :]:
-            dist.barrier()
-            start = time.perf_counter()
-            losses.append(step(batch))
-            times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times), "peak_bytes": sampler.peak - baseline, "losses": losses, "params": params, "swap_bytes": swap_bytes()}
+    losses, times, peak = timed_steps(step, batches, args["warmup"], barrier=dist.barrier)
+    return {"step_s": statistics.median(times), "peak_bytes": peak - baseline, "losses": losses, "params": params, "swap_bytes": swap_bytes()}
 
 
 def main() -> None:
@@ -147,6 +140,7 @@ def main() -> None:
     parser.add_argument("--lower", default="inductor", choices=["eager", "inductor"], help="dscompile's lowering")
     parser.add_argument("--worlds", default="1,2")
     parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--rounds", type=int, default=1, help="peers alternated A B A B ...: each peer runs this many times; median and spread")
     parser.add_argument("--timeout", type=float, default=1800)
     opts = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc in every spawned rank
@@ -155,47 +149,51 @@ def main() -> None:
     nvme_path = opts.nvme_path or tempfile.mkdtemp(prefix="dscompile-offload-bench-")
     args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
             "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "stage": opts.stage, "tile": opts.tile, "buffers": opts.buffers,
-            "nvme_path": nvme_path, "threads": opts.threads}
+            "nvme_path": nvme_path, "threads": opts.threads, "model": "gpt"}
     for world in (int(w) for w in opts.worlds.split(",")):
-        results: dict[str, dict[str, Any]] = {}
-        for peer in opts.peers.split(","):
+
+        def run_peer(peer: str, round_index: int, world: int = world) -> dict[str, Any] | None:
             if peer.startswith("deepspeed"):
                 try:
                     import deepspeed  # noqa: F401
                 except ImportError:
                     print(f"world {world} {peer}: skipped: deepspeed is not installed (pip install deepspeed)", flush=True)
-                    continue
+                    return None
             torch._dynamo.reset()
             try:
                 ranks = run_distributed(peer_rank, world, peer, args, timeout=opts.timeout)
             except DistributedRunError as exc:
                 print(f"world {world} {peer}: failed: {str(exc).splitlines()[0][:300]}", flush=True)
-                continue
-            results[peer] = {
+                return None
+            run = {
                 "step_s": max(r["step_s"] for r in ranks),
                 "peak_bytes": max(r["peak_bytes"] for r in ranks),
                 "swap_bytes": max(r["swap_bytes"] for r in ranks),
                 "losses": [sum(v) / len(ranks) for v in zip(*(r["losses"] for r in ranks), strict=True)],
                 "params": ranks[0]["params"],
             }
-            r = results[peer]
-            print(f"world {world} {peer}: {r['step_s'] * 1e3:.0f} ms/step, peak {r['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+            print(f"[round {round_index + 1}] world {world} {peer}: {run['step_s'] * 1e3:.0f} ms/step, peak {run['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+            return run
+
+        results = alternate(opts.peers.split(","), opts.rounds, run_peer)
         if not results:
             continue
-        params = next(iter(results.values()))["params"]
+        params = next(iter(results.values()))[0]["params"]
         print(f"\nGPT {params / 1e6:.1f}M params, world {world} gloo, ZeRO-{opts.stage}, batch {opts.batch}x{opts.seq}/rank, lowering {opts.lower}, "
               f"NVMe tile {opts.tile} elements x {opts.buffers} buffers, swap under {nvme_path}")
+        print(f"{opts.rounds} round(s), peers alternated; medians over rounds, spread = (max-min)/median; ratios: median of the per-round "
+              "ratios [min-max]")
         base = results.get("dscompile-none")
-        header = f"{'peer':18} {'step ms':>9} {'vs none':>8} {'peak MiB':>9} {'vs none':>8} {'swap MiB/rank':>14}  losses"
+        header = f"{'peer':18} {'step ms':>9} {'spread':>7} {'vs none':>20} {'peak MiB':>9} {'vs none':>20} {'swap MiB/rank':>14}  losses (last round)"
         print(header)
         print("-" * len(header))
-        for peer, r in results.items():
-            t = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
-            m = f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] > 0 else "-"
-            losses = " ".join(f"{v:.4f}" for v in r["losses"])
-            print(f"{peer:18} {r['step_s'] * 1e3:9.0f} {t:>8} {r['peak_bytes'] / 2**20:9.0f} {m:>8} {r['swap_bytes'] / 2**20:14.0f}  {losses}")
+        for peer, runs in results.items():
+            step_s, spread = median_spread(r["step_s"] for r in runs)
+            peak = statistics.median(r["peak_bytes"] for r in runs)
+            losses = " ".join(f"{v:.4f}" for v in runs[-1]["losses"])
+            print(f"{peer:18} {step_s * 1e3:9.0f} {spread:6.0%} {ratio_cell(runs, base):>20} {peak / 2**20:9.0f} "
+                  f"{ratio_cell(runs, base, 'peak_bytes'):>20} {runs[-1]['swap_bytes'] / 2**20:14.0f}  {losses}")
         print()
-
 
 if __name__ == "__main__":
     main()

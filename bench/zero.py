@@ -86,10 +86,8 @@ rounds are needed before any of these ratios is a claim.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -99,35 +97,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import alternate, median_spread, ratio_cell, resident_bytes, timed_steps  # noqa: E402  (bench/harness.py)
+
 PEERS = ["dscompile-z1", "dscompile-z2", "dscompile-z3", "dscompile-z3-profiled", "deepspeed-z1", "deepspeed-z2", "deepspeed-z3", "fsdp2", "fsdp2-compiled"]
 LR = 1e-4
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakSampler:
-    """Samples this process's resident set size in a thread; ``peak`` is the highest seen."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.001)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _case(args: dict[str, Any]) -> Any:
@@ -227,23 +200,14 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
 
     if peer.startswith("deepspeed"):
         import deepspeed  # noqa: F401
-    baseline = _rss()
+    baseline = resident_bytes()
     torch.manual_seed(0)
     case = _case(args)
     params = sum(p.numel() for p in case.model.parameters())
     batches = _batches(case, rank, args["warmup"] + args["steps"])
     step = _build(peer, case, args)
-    losses = []
-    for batch in batches[: args["warmup"]]:
-        losses.append(step(batch))
-    times = []
-    with PeakSampler() as sampler:
-        for batch in batches[args["warmup"] :]:
-            dist.barrier()
-            start = time.perf_counter()
-            losses.append(step(batch))
-            times.append(time.perf_counter() - start)
-    out = {"step_s": statistics.median(times), "peak_bytes": sampler.peak - baseline, "losses": losses, "params": params,
+    losses, times, peak = timed_steps(step, batches, args["warmup"], barrier=dist.barrier)
+    out = {"step_s": statistics.median(times), "peak_bytes": peak - baseline, "losses": losses, "params": params,
            "threads": torch.get_num_threads()}
     if args["profile"]:
         out["profile"] = profile_step(step, batches[-1])
@@ -307,60 +271,51 @@ def main() -> None:
     args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
             "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "profile_steps": opts.profile_steps, "model": opts.model,
             "profile": opts.profile}
-    results: dict[str, dict[str, Any]] = {}
-    failed: set[str] = set()
-    for round_index in range(opts.rounds):
-        for peer in opts.peers.split(","):
-            if peer in failed:
-                continue
-            torch._dynamo.reset()
-            try:
-                ranks = run_distributed(peer_rank, 2, peer, args, timeout=opts.timeout)
-            except (DistributedRunError, ImportError) as exc:
-                print(f"{peer}: failed: {str(exc).splitlines()[0]}", flush=True)
-                failed.add(peer)
-                continue
-            run = {
-                "step_s": max(r["step_s"] for r in ranks),
-                "peak_bytes": max(r["peak_bytes"] for r in ranks),
-                "losses": [sum(v) / len(ranks) for v in zip(*(r["losses"] for r in ranks), strict=True)],
-                "params": ranks[0]["params"],
-            }
-            entry = results.setdefault(peer, {"runs": [], **run})
-            entry["runs"].append(run["step_s"])
-            entry["peak_bytes"] = max(entry["peak_bytes"], run["peak_bytes"])
-            entry["step_s"] = statistics.median(entry["runs"])
-            threads = [r["threads"] for r in ranks]
-            print(f"[round {round_index + 1}] {peer}: {run['step_s'] * 1e3:.0f} ms/step, peak {run['peak_bytes'] / 2**20:.0f} MiB, "
-                  f"threads per rank {threads}", flush=True)
-            if opts.profile and round_index == 0:
-                prof = ranks[0]["profile"]
-                print(f"  profile (rank 0, one step {prof['wall_s'] * 1e3:.0f} ms wall under the profiler), self CPU seconds by group:")
-                for group, sec in prof["groups"].items():
-                    print(f"    {group:28} {sec * 1e3:9.1f} ms")
-                for key, sec, count in prof["top"][:15]:
-                    print(f"    {sec * 1e3:9.1f} ms  x{count:<5} {key}")
+    def run_peer(peer: str, round_index: int) -> dict[str, Any] | None:
+        torch._dynamo.reset()
+        try:
+            ranks = run_distributed(peer_rank, 2, peer, args, timeout=opts.timeout)
+        except (DistributedRunError, ImportError) as exc:
+            print(f"{peer}: failed: {str(exc).splitlines()[0]}", flush=True)
+            return None
+        run = {
+            "step_s": max(r["step_s"] for r in ranks),
+            "peak_bytes": max(r["peak_bytes"] for r in ranks),
+            "losses": [sum(v) / len(ranks) for v in zip(*(r["losses"] for r in ranks), strict=True)],
+            "params": ranks[0]["params"],
+        }
+        print(f"[round {round_index + 1}] {peer}: {run['step_s'] * 1e3:.0f} ms/step, peak {run['peak_bytes'] / 2**20:.0f} MiB, "
+              f"threads per rank {[r['threads'] for r in ranks]}", flush=True)
+        if opts.profile and round_index == 0:
+            prof = ranks[0]["profile"]
+            print(f"  profile (rank 0, one step {prof['wall_s'] * 1e3:.0f} ms wall under the profiler), self CPU seconds by group:")
+            for group, sec in prof["groups"].items():
+                print(f"    {group:28} {sec * 1e3:9.1f} ms")
+            for key, sec, count in prof["top"][:15]:
+                print(f"    {sec * 1e3:9.1f} ms  x{count:<5} {key}")
+        return run
+
+    results = alternate(opts.peers.split(","), opts.rounds, run_peer)
     if not results:
         return
-    params = next(iter(results.values()))["params"]
+    params = next(iter(results.values()))[0]["params"]
     print(
         f"\nGPT {params / 1e6:.1f}M params, world 2 gloo, batch {opts.batch}x{opts.seq}/rank, dscompile lowering {opts.lower}, "
         f"dscompile-z3-profiled re-plans after {opts.profile_steps} profiled step(s)"
     )
-    print(f"{opts.rounds} round(s), peers alternated; step ms is the median over rounds of each run's median step, spread = (max-min)/median")
-    fsdp_time = results.get("fsdp2", {}).get("step_s")
-    header = f"{'peer':22} {'step ms':>9} {'spread':>7} {'vs DS same stage':>17} {'vs FSDP2':>9} {'peak MiB':>9}  losses"
+    print(f"{opts.rounds} round(s), peers alternated; step ms is the median over rounds of each run's median step, spread = (max-min)/median;"
+          " ratios: median of the per-round ratios [min-max]")
+    header = f"{'peer':22} {'step ms':>9} {'spread':>7} {'vs DS same stage':>22} {'vs FSDP2':>22} {'peak MiB':>9}  losses (last round)"
     print(header)
     print("-" * len(header))
-    for peer, r in results.items():
+    for peer, runs in results.items():
         stage = peer.split("-")[1][:2] if peer.startswith("dscompile") else ""
-        ds_time = results.get(f"deepspeed-{stage}", {}).get("step_s") if stage else None
-        vs_ds = f"{r['step_s'] / ds_time:.2f}x" if ds_time else "-"
-        vs_fsdp = f"{r['step_s'] / fsdp_time:.2f}x" if fsdp_time else "-"
-        spread = (max(r["runs"]) - min(r["runs"])) / r["step_s"]
-        losses = " ".join(f"{v:.4f}" for v in r["losses"])
-        print(f"{peer:22} {r['step_s'] * 1e3:9.0f} {spread:6.0%} {vs_ds:>17} {vs_fsdp:>9} {r['peak_bytes'] / 2**20:9.0f}  {losses}")
-
+        step_s, spread = median_spread(r["step_s"] for r in runs)
+        vs_ds = ratio_cell(runs, results.get(f"deepspeed-{stage}")) if stage else "-"
+        vs_fsdp = ratio_cell(runs, results.get("fsdp2"))
+        peak = max(r["peak_bytes"] for r in runs)
+        losses = " ".join(f"{v:.4f}" for v in runs[-1]["losses"])
+        print(f"{peer:22} {step_s * 1e3:9.0f} {spread:6.0%} {vs_ds:>22} {vs_fsdp:>22} {peak / 2**20:9.0f}  {losses}")
 
 if __name__ == "__main__":
     main()
