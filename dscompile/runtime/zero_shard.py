@@ -73,6 +73,23 @@ def shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return flat[rank * length : (rank + 1) * length].clone()
 
 
+def _copy_columns_into(param: torch.Tensor, columns: torch.Tensor, numel: int) -> None:
+    """Copy a gathered parameter, laid out ``[world, shard]`` (row r: rank r's shard, the last padded), into
+    ``param`` without first making the columns contiguous: one strided copy for the whole rows and one
+    for the padded tail, so the refresh after each step moves each element once, not three times."""
+    if not param.is_contiguous():
+        param.copy_(columns.reshape(-1)[:numel].view(param.shape))
+        return
+    flat = param.view(-1)
+    length = columns.shape[1]
+    whole = numel // length if length else 0
+    if whole:
+        flat[: whole * length].view(whole, length).copy_(columns[:whole])
+    rest = numel - whole * length
+    if rest:
+        flat[whole * length :].copy_(columns[whole, :rest])
+
+
 def is_sharded(param: torch.Tensor) -> bool:
     """True for a parameter whose shard is recorded on it (built under ``zero.Init``, or partitioned)."""
     return hasattr(param, "ds_tensor")
@@ -299,8 +316,7 @@ class ZeroPartition:
             offset = 0
             for i in bucket:
                 layout = self.layouts[i]
-                full = out[:, offset : offset + layout.shard_numel].reshape(-1)[: layout.numel]
-                self.full_params[i].data.copy_(full.view(layout.shape))
+                _copy_columns_into(self.full_params[i].data, out[:, offset : offset + layout.shard_numel], layout.numel)
                 offset += layout.shard_numel
 
     def _all_gather(self, flat: torch.Tensor) -> torch.Tensor:
