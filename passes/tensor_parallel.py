@@ -657,6 +657,11 @@ class TensorParallelModule(nn.Module):
         self._signature: Any = None
         self._training = True
 
+    @property
+    def output_dtype_module(self) -> nn.Module:
+        """The model whose 16-bit outputs' dtypes the engine mirrors (probed before the first batch splits it)."""
+        return self.model
+
     def _broadcast_batch(self, values: list[Any]) -> None:
         if self.groups.tp_size > 1:
             for v in values:
@@ -697,9 +702,6 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
         "zero_optimization stages 2 and 3": zero is not None and zero.stage > 1,
         "gradient_clipping under ZeRO": zero is not None and zero.stage > 0 and engine.config.gradient_clipping > 0,
         "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
-        "activation_checkpointing": sections.get("activation_checkpointing") is not None,
-        "bf16": getattr(sections.get("bf16"), "enabled", False),
-        "fp16": getattr(sections.get("fp16"), "enabled", False),
     }
     for key, clash in clashes.items():
         if clash:
