@@ -673,11 +673,10 @@ class TensorParallelModule(nn.Module):
         signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
         if self._graph is None:
             gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
-            if self.after_split is not None:
-                self.after_split()
+            run: nn.Module = self.after_split(gm) if self.after_split is not None else gm
             self._signature = signature
             self._training = self.model.training
-            self.__dict__["_graph"] = torch.compile(gm, backend="dscompile", options=self.compile_options) if self.compile_options is not None else gm
+            self.__dict__["_graph"] = torch.compile(run, backend="dscompile", options=self.compile_options) if self.compile_options is not None else run
         elif self._training != self.model.training:
             raise DSCompileConfigError(
                 "tensor_parallel",
@@ -699,7 +698,7 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     sections = engine.config.sections
     zero = sections.get("zero_optimization")
     clashes = {
-        "zero_optimization stages 2 and 3": zero is not None and zero.stage > 1,
+        "zero_optimization.offload_optimizer": zero is not None and getattr(zero.offload_optimizer, "enabled", False),
         "gradient_clipping under ZeRO": zero is not None and zero.stage > 0 and engine.config.gradient_clipping > 0,
         "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
     }
@@ -735,15 +734,18 @@ class TensorParallelExtension(EngineExtension):
         engine.process_groups = groups  # type: ignore[attr-defined]
         engine.gradients = TensorParallelGradients(engine.module, groups, self.slices)
         self.engine = engine
-        # extensions that partition parameters themselves (ZeRO-1) append here: run once the model is split
+        # extensions that partition parameters themselves (ZeRO) append here: run once the model is split, each
+        # takes the module that runs the split graph and returns the one to run (ZeRO-2/3 wrap it over their shards)
         engine.after_parameters_split = []  # type: ignore[attr-defined]
 
-    def _after_split(self) -> None:
+    def _after_split(self, split: nn.Module) -> nn.Module:
+        """Run the extensions waiting for the split parameters; each may wrap the module that runs (ZeRO-2/3)."""
         engine = self.engine
         for callback in engine.after_parameters_split:  # type: ignore[attr-defined]
-            callback()
+            split = callback(split)
         if not isinstance(engine.gradients, TensorParallelGradients):  # ZeRO-1 took over: gather its TP slices too
             engine.gradients = TensorParallelOver(engine.gradients, self.groups, self.slices)  # type: ignore[arg-type]
+        return split
 
     @property
     def plan(self) -> TensorParallelPlan | None:

@@ -163,19 +163,22 @@ def test_tp2_equals_single_process(tmp_path) -> None:
                 assert norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > r["clip"], (key, norm, ref_norm)
 
 
+ZERO_STAGES = (0, 1, 2, 3)  # ZeRO shards the TP slices over the DP group
+
+
 def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
-    """TP=2 × DP=2 (plain, then ZeRO-1 over the DP group): each DP replica trains on its own batch; the
+    """TP=2 × DP=2 (plain, then ZeRO-1, 2 and 3 over the DP group): each DP replica trains on its own batch; the
     steps must equal one process training on both batches."""
     import dscompile
     from dscompile.zoo import build, make_batch
 
     out: dict[str, Any] = {}
-    for zero in (0, 1):
+    for zero in ZERO_STAGES:
         case, ref = build("gpt", seed=3, **CASES["gpt"]), build("gpt", seed=3, **CASES["gpt"])
         cfg: dict[str, Any] = {"optimizer": ADAMW, "tensor_parallel": {"autotp_size": 2}, "lower": "eager"}
         if zero:
             cfg["zero_optimization"] = {"stage": zero}
-        engine, *_ = dscompile.initialize(model=case.model, config=cfg)
+        engine, optimizer, *_ = dscompile.initialize(model=case.model, config=cfg)
         groups = engine.process_groups
         ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=ADAMW["params"]["lr"])
         for step in range(2):
@@ -193,6 +196,7 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
             "dp_world": engine.data_parallel_world_size(),
             "zero_world": engine.zero.world if engine.zero is not None else None,
             "param_err": max(_relative(full[n], p.detach()) for n, p in ref.model.named_parameters()),
+            "same_optimizer": optimizer is engine.optimizer,
         }
     return out
 
@@ -202,10 +206,11 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
 @requires_backend("gloo")
 def test_tp2_times_dp2_on_4_ranks() -> None:
     results = run_distributed_or_fail(tp_times_dp, 4, timeout=600)
-    for zero in (0, 1):
+    for zero in ZERO_STAGES:
         rows = [r[zero] for r in results]
         assert [r["tp_ranks"] for r in rows] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # TP innermost
         assert [r["dp_ranks"] for r in rows] == [[0, 2], [1, 3], [0, 2], [1, 3]]
         for r in rows:
             assert r["dp_world"] == 2 and r["zero_world"] == (2 if zero else None)
             assert r["param_err"] < 1e-3, (zero, r["param_err"])  # AdamW: 1e-3 relative
+            assert r["same_optimizer"], zero  # the optimizer initialize returned is the one stepped (ZeRO moved it in place)
