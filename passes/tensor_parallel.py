@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import re
 from collections.abc import Mapping
@@ -51,7 +52,16 @@ from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
-from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, TensorParallelOver, gather_slices, tp_copy, tp_reduce
+from dscompile.runtime.tensor_parallel import (
+    SliceSpec,
+    TensorParallelGradients,
+    TensorParallelOver,
+    gather_slices,
+    padded_units,
+    tp_copy,
+    tp_reduce,
+    units_of_rank,
+)
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
 aten = torch.ops.aten
@@ -176,7 +186,8 @@ class Block:
     region: list[fx.Node]
     sharded: dict[fx.Node, int]  # node -> its sliced dim
     blocks: dict[fx.Node, int]  # column node -> number of fused parts
-    rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, new size)
+    rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, its full size)
+    units: int  # the block's sliced sizes are multiples of this many units (heads or KV-head groups, hidden units)
 
 
 @dataclass
@@ -262,10 +273,7 @@ def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, tp: int) -> 
             real_dst = [d for d in gj if d < len(dst) and dst[d] != 1]
             if not real_src or real_src[0] != dim:
                 raise _Unsplittable(f"a view merges the sliced dimension {dim} of {src} under an outer one")
-            out = real_dst[0]
-            if dst[out] % tp:
-                raise _Unsplittable(f"a view to {dst} puts {dst[out]} (heads or hidden units) on the sliced dimension, not divisible by TP={tp}")
-            return out
+            return real_dst[0]
     raise _Unsplittable(f"cannot follow dimension {dim} through a view {src} -> {dst}")
 
 
@@ -321,7 +329,7 @@ class _Propagator:
                 raise _Unsplittable("repeat_interleave over the flattened tensor")
             size = node.kwargs.get("output_size")
             if size is not None and dim % len(in_shape) == d:  # type: ignore[operator]
-                node.kwargs = {**node.kwargs, "output_size": int(size) // tp}
+                self.rewrites[node] = (-3, int(size))
             self.sharded[node] = d
         elif target is aten.expand.default:
             out = d + len(out_shape) - len(in_shape)
@@ -333,8 +341,6 @@ class _Propagator:
             if dim == d:
                 if src not in self.origin or self.blocks[self.origin[src]] != 1 or len({p for p in parts}) != 1:
                     raise _Unsplittable("the sliced dimension is split unevenly or twice")
-                if in_shape[d] // len(node.users) % tp:
-                    raise _Unsplittable(f"a fused projection's parts of {in_shape[d] // len(node.users)} are not divisible by TP={tp}")
                 self.blocks[self.origin[src]] = sum(1 for _ in node.users) if target is not aten.split_with_sizes.default else len(node.args[1])  # type: ignore[arg-type]
                 self._split_arg(node, in_shape[d])
             self.sharded[node] = d
@@ -407,13 +413,13 @@ class _Propagator:
         if isinstance(sizes, (list, tuple)) and out < len(sizes):
             entry = sizes[out]
             if isinstance(entry, int) and entry != -1:
-                self.rewrites[node] = (out, out_shape[out] // self.tp)
+                self.rewrites[node] = (out, out_shape[out])
             elif not isinstance(entry, int):
                 raise _Unsplittable(f"{node.name} has a symbolic size on the sliced dimension")
 
     def _split_arg(self, node: fx.Node, size: int) -> None:
         if node.target is aten.split.Tensor:
-            self.rewrites[node] = (-1, int(node.args[1]) // self.tp)  # type: ignore[arg-type]
+            self.rewrites[node] = (-1, int(node.args[1]))  # type: ignore[arg-type]
         elif node.target is aten.split_with_sizes.default:
             self.rewrites[node] = (-2, 0)
 
@@ -435,6 +441,21 @@ def _region(row: Linear, linears: dict[fx.Node, Linear]) -> tuple[list[Linear], 
             continue
         stack.extend(node.all_input_nodes)
     return list(columns.values()), seen
+
+
+def _units(prop: _Propagator, columns: list[Linear]) -> int:
+    """The most units every sliced size of the block is a whole multiple of (their gcd): heads, or KV-head groups
+    under GQA (a query head is sliced with its KV head), or hidden units; the split is in these."""
+    sizes = []
+    for node, dim in prop.sharded.items():
+        shape = _shape(node)
+        if shape is not None:
+            sizes.append(shape[dim] // prop.blocks.get(node, 1))  # a fused projection: each of its parts
+    sizes += [size for pos, size in prop.rewrites.values() if pos == -1]  # split(x, size): each part
+    units = math.gcd(*sizes)
+    if units < 1:
+        raise _Unsplittable("a sliced dimension has size 0")
+    return units
 
 
 def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str, Any]]]:
@@ -470,13 +491,11 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
                 outside = [u.name for u in n.users if u not in inside and u is not row.node]
                 if outside:
                     raise _Unsplittable(f"{n.name} is also used outside the block ({', '.join(outside)})")
-            for c in columns:
-                out_features = _shape(c.node)[-1]  # type: ignore[index]
-                if out_features % (prop.blocks[c.node] * tp):
-                    raise _Unsplittable(f"{c.weight} has {out_features} outputs, not divisible by TP={tp}")
-            if last[-1] % tp:  # type: ignore[index]
-                raise _Unsplittable(f"{row.weight} has {last[-1]} inputs, not divisible by TP={tp}")  # type: ignore[index]
-            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites))
+            units = _units(prop, columns)
+            if units % tp:
+                padded = padded_units(units, tp) * tp
+                log.info("tensor_parallel: %s splits %d units (heads or hidden units) over TP=%d, padded with zeros to %d", row.weight, units, tp, padded)
+            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units))
         except _Unsplittable as exc:
             whole.append({"row": row.weight, "columns": [c.weight for c in columns], "reason": str(exc)})
             log.warning("tensor_parallel: %s stays replicated: %s", row.weight, exc)
@@ -531,12 +550,22 @@ def _fake_like(node: fx.Node, shape: list[int]) -> None:
         node.meta["val"] = val.new_empty(shape)
 
 
-def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dict[str, SliceSpec]:
-    """Slice the shapes, make the row linears partial sums + all-reduce, put ``tp_copy`` before each block."""
+def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: int) -> dict[str, SliceSpec]:
+    """Slice the shapes, make the row linears partial sums + all-reduce, put ``tp_copy`` before each block.
+
+    A block whose units TP does not divide runs on every rank with the largest share of units: this rank's
+    own, then zero-weight padding; the row-parallel linear's input is multiplied by a 0/1 mask over the
+    padding, so padded units add nothing to the output and get no gradient (their weights stay zero).
+    """
     slices: dict[str, SliceSpec] = {}
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for b in blocks:
+    for index, b in enumerate(blocks):
+        padded = b.units % tp != 0
+        held = padded_units(b.units, tp)
+
+        def local(size: int, b: Block = b, held: int = held) -> int:
+            return size // b.units * held
         x = b.columns[0].input
         first = min((c.node for c in b.columns), key=order.__getitem__)
         with graph.inserting_before(first):
@@ -546,26 +575,32 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dic
         for c in b.columns:
             c.node.replace_input_with(x, copied)
             parts = b.blocks[c.node]
-            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts)
+            units = b.units if padded else 0
+            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts, units=units)
             if c.bias is not None:
-                slices[c.bias] = SliceSpec(dim=0, blocks=parts)
+                slices[c.bias] = SliceSpec(dim=0, blocks=parts, units=units)
         for node, (pos, size) in b.rewrites.items():
             if pos == -1:  # split(x, size): each part's size
-                node.args = (node.args[0], size, *node.args[2:])
+                node.args = (node.args[0], local(size), *node.args[2:])
             elif pos == -2:  # split_with_sizes: every size
-                node.args = (node.args[0], [s // tp for s in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+                node.args = (node.args[0], [local(s) for s in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+            elif pos == -3:  # repeat_interleave's output_size
+                node.kwargs = {**node.kwargs, "output_size": local(size)}
             else:
                 sizes = list(node.args[1])  # type: ignore[arg-type]
-                sizes[pos] = size
+                sizes[pos] = local(size)
                 node.args = (node.args[0], sizes, *node.args[2:])
         row = b.row
-        slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1)
+        slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1, units=b.units if padded else 0)
         node = row.node
+        row_input = row.input
+        if padded:
+            row_input = _mask_padding(gm, row_input, f"_tp_padding_mask_{index}", b.units, rank, tp)
         with graph.inserting_after(node):
             if row.transposed:  # addmm(b, x, W) -> mm(x, W_slice), all-reduce, + b
-                partial = graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
+                partial = graph.call_function(aten.mm.default, (row_input, node.args[2]))
             else:
-                partial = graph.call_function(aten.linear.default, (node.args[0], node.args[1]))
+                partial = graph.call_function(aten.linear.default, (row_input, node.args[1]))
         with graph.inserting_after(partial):
             reduced = graph.call_function(tp_reduce, (partial, group))
         last = reduced
@@ -581,6 +616,24 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dic
     graph.lint()
     gm.recompile()
     return slices
+
+
+def _mask_padding(gm: fx.GraphModule, x: fx.Node, name: str, units: int, rank: int, tp: int) -> fx.Node:
+    """``x * mask``: ones over this rank's units of the last dimension, zeros over its padding."""
+    val = x.meta["val"]  # still the unsplit value
+    unit = int(val.shape[-1]) // units
+    local_features = unit * padded_units(units, tp)
+    mask = torch.zeros(local_features, dtype=val.dtype, device=val.device)
+    mask[: units_of_rank(units, rank, tp)[1] * unit] = 1
+    gm.register_buffer(name, mask)
+    with gm.graph.inserting_after(x):
+        attr = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(attr):
+        masked = gm.graph.call_function(aten.mul.Tensor, (x, attr))
+    attr.meta["val"] = val.new_empty(local_features)
+    masked.meta["val"] = val
+    masked.meta.setdefault("dscompile", {})["shard"] = "tp_padding_mask"
+    return masked
 
 
 def partition_parameters(model: nn.Module, slices: dict[str, SliceSpec], rank: int, tp: int) -> None:
@@ -626,7 +679,7 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
         )
     plan = TensorParallelPlan(tp)
     group_name = groups.tp_group.group_name if groups.tp_group is not None else ""
-    plan.slices = rewrite(gm, blocks, group_name, tp)
+    plan.slices = rewrite(gm, blocks, group_name, tp, groups.tp_rank)
     plan.split = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
     plan.replicated = whole
     partition_parameters(model, plan.slices, groups.tp_rank, tp)

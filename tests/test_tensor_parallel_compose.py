@@ -1,10 +1,11 @@
-"""Tensor parallelism composed with mixed precision and activation checkpointing (2 gloo ranks).
+"""Tensor parallelism composed with mixed precision and activation checkpointing, and uneven splits (2 gloo ranks).
 
 Each run trains the same model under TP=2 and on one process. fp32 with activation checkpointing must
 equal single-process eager training (1e-5: recomputation repeats the same ops). bf16 and fp16 are
 compared with a single-process dscompile engine under the same precision config: TP changes only
 where partial sums are rounded (each rank's half of a row-parallel matmul is rounded to 16 bits
-before the all-reduce adds the halves), so the results differ by a few 16-bit roundings.
+before the all-reduce adds the halves), so the results differ by a few 16-bit roundings. Heads and
+hidden units that TP does not divide are padded with zero units: fp32 equality, and the padding stays zero.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
-def _train(config: dict[str, Any], tp: bool) -> dict[str, Any]:
+def _train(config: dict[str, Any], tp: bool, model: dict[str, Any] | None = None) -> dict[str, Any]:
     import dscompile
     from dscompile.zoo import build, make_batch
 
-    case = build("llama", seed=3, **MODEL)
+    case = build("llama", seed=3, **(MODEL | (model or {})))
     cfg = dict(config) | {"optimizer": ADAMW}
     if tp:
         cfg["tensor_parallel"] = {"autotp_size": 2}
@@ -44,7 +45,16 @@ def _train(config: dict[str, Any], tp: bool) -> dict[str, Any]:
             grads = {n: g / scale for n, g in grads.items()}
         engine.step()
         losses.append(float(loss.detach().float()))
+    padding_zero = True
+    if tp:  # padded units (heads, hidden units TP does not divide) hold zeros after training: they took no part
+        ext = engine.extension("tensor_parallel")
+        full = engine.full_parameters()
+        for name, spec in ext.slices().items():
+            if spec.units:
+                local = case.model.get_parameter(name).detach()
+                padding_zero &= torch.equal(local, spec.take(full[name], ext.groups.tp_rank, ext.groups.tp_size))
     return {
+        "padding_zero": padding_zero,
         "losses": losses,
         "grads": grads,
         "params": engine.full_parameters(),
@@ -65,15 +75,18 @@ def compose(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]]) -> di
     fp32 = _train({"lower": "eager"}, tp=False)
     out = {}
     for name, config in runs:
-        tp = _train(config, tp=True)
+        model = config.pop("model", None)
+        tp = _train(config, tp=True, model=model)
         mixed = "bf16" in config or "fp16" in config
-        ref = _train(config, tp=False) if mixed else fp32
+        truth = fp32 if model is None else _train({"lower": "eager"}, tp=False, model=model)
+        ref = _train(config, tp=False) if mixed else truth
         out[name] = {
             "vs_same_precision": _errors(tp, ref),
-            "vs_fp32": _errors(tp, fp32),
-            "single_process_vs_fp32": _errors(ref, fp32),
+            "vs_fp32": _errors(tp, truth),
+            "single_process_vs_fp32": _errors(ref, truth),
             "same_optimizer": tp["returned_optimizer_steps"],
             "skipped": (tp["skipped"], ref["skipped"]),
+            "padding_zero": tp["padding_zero"],
         }
     return out
 
@@ -82,6 +95,8 @@ RUNS = [
     ("ckpt", {"activation_checkpointing": {"memory_budget": 0.3}, "lower": "eager"}),
     ("bf16", {"bf16": {"enabled": True}, "lower": "eager"}),
     ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 8}, "lower": "eager"}),
+    # uneven: 3 KV heads (6 query heads, GQA) and 27 MLP hidden units on TP=2, each padded with zeros to an even split
+    ("uneven", {"model": {"d_model": 24, "n_heads": 6, "n_kv_heads": 3, "hidden_dim": 27}, "lower": "eager"}),
 ]
 
 
@@ -102,4 +117,7 @@ def test_tp2_with_mixed_precision_and_checkpointing() -> None:
             for what, err in run["vs_fp32"].items():
                 assert err <= 2 * low[what] + 1e-6, (name, what, err, low[what])
             assert run["vs_same_precision"]["loss"] < 1e-3, (name, run["vs_same_precision"])  # a few 16-bit roundings of the loss
+        uneven = r["uneven"]["vs_same_precision"]
+        assert uneven["loss"] < 1e-5 and uneven["grad"] < 1e-5 and uneven["param"] < 1e-3, uneven
+        assert r["uneven"]["padding_zero"]
         assert all(r[name]["same_optimizer"] for name in r)  # the optimizer initialize returned is the one stepped

@@ -64,24 +64,53 @@ def tp_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, group)
 
 
+def units_of_rank(units: int, rank: int, world: int) -> tuple[int, int]:
+    """``(first, count)``: the units (heads, KV groups, hidden units) of ``units`` that ``rank`` holds, balanced."""
+    base, extra = divmod(units, world)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def padded_units(units: int, world: int) -> int:
+    """Units every rank holds, padding included: the largest share."""
+    return -(-units // world)
+
+
 @dataclass(frozen=True)
 class SliceSpec:
     """How a parameter is split across the TP group: along ``dim``, in ``blocks`` equal blocks each cut in TP pieces.
 
     ``blocks`` > 1 is a fused projection (GPT-2's ``c_attn``: q, k and v side by side), whose every
-    block is split so that each rank holds its q, k and v heads.
+    block is split so that each rank holds its q, k and v heads. ``units`` > 0 is a split that TP does
+    not divide (3 heads on 2 ranks): each block is ``units`` whole units (heads, KV-head groups, hidden
+    units), rank ``r`` holds its balanced share and zeros after it, up to ``padded_units`` units, so
+    every rank's slice has one shape; the zeros are padding, dropped when the slices are assembled.
     """
 
     dim: int
     blocks: int = 1
+    units: int = 0
 
     def take(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
         pieces = full.chunk(self.blocks, dim=self.dim)
-        return torch.cat([piece.chunk(world, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+        if not self.units:
+            return torch.cat([piece.chunk(world, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+        first, count = units_of_rank(self.units, rank, world)
+        out = []
+        for piece in pieces:
+            unit = piece.shape[self.dim] // self.units
+            mine = piece.narrow(self.dim, first * unit, count * unit)
+            shape = list(piece.shape)
+            shape[self.dim] = (padded_units(self.units, world) - count) * unit
+            out += [mine, piece.new_zeros(shape)]
+        return torch.cat(out, dim=self.dim)
 
     def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's slice (rank order)."""
+        """The full tensor from every rank's slice (rank order), padding dropped."""
+        world = len(slices)
         per_rank = [s.chunk(self.blocks, dim=self.dim) for s in slices]
+        if self.units:
+            unit = per_rank[0][0].shape[self.dim] // padded_units(self.units, world)
+            per_rank = [[b.narrow(self.dim, 0, units_of_rank(self.units, r, world)[1] * unit) for b in blocks] for r, blocks in enumerate(per_rank)]
         return torch.cat([torch.cat([r[b] for r in per_rank], dim=self.dim) for b in range(self.blocks)], dim=self.dim)
 
 
@@ -153,7 +182,7 @@ class TensorParallelGradients(DataParallelGradients):
             "tensor_parallel": {
                 "tp_size": self.groups.tp_size,
                 "tp_rank": self.groups.tp_rank,
-                "slices": {n: {"dim": sp.dim, "blocks": sp.blocks} for n, sp in specs.items()},
+                "slices": {n: {"dim": sp.dim, "blocks": sp.blocks, "units": sp.units} for n, sp in specs.items()},
             },
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -255,5 +284,5 @@ def consolidate(reader: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, value in first["module"].items():
         spec = meta["slices"].get(name)
-        out[name] = SliceSpec(spec["dim"], spec["blocks"]).assemble([f["module"][name] for f in files]) if spec is not None else value
+        out[name] = SliceSpec(spec["dim"], spec["blocks"], spec.get("units", 0)).assemble([f["module"][name] for f in files]) if spec is not None else value
     return out

@@ -197,7 +197,6 @@ class ZeroExtension(EngineExtension):
         self.partition: ZeroPartition | None = None
 
     def configure(self, engine: EngineCore) -> None:
-        zc = self.zc
         if engine.optimizer is not None:
             check_zero_optimizer(engine.optimizer, bool(engine.config.zero_allow_untested_optimizer))
         params_or_error(engine.module, needs_training=True)
