@@ -61,6 +61,8 @@ from dscompile.runtime.tensor_parallel import (
     tp_copy,
     tp_reduce,
     units_of_rank,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
 )
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
@@ -97,6 +99,7 @@ class PartitionConfig:
 class TensorParallelConfig:
     autotp_size: int = 1
     tp_overlap_comm: bool = False
+    vocab_parallel_lm_head: bool = False  # split the LM head (and an embedding tied to it) by vocabulary rows
     partition_config: PartitionConfig = field(default_factory=PartitionConfig)
 
     @property
@@ -105,7 +108,6 @@ class TensorParallelConfig:
 
 
 _REFUSED_WHEN_SET = {
-    "vocab_parallel_lm_head": "a vocabulary-parallel LM head (the embedding and LM head stay replicated)",
     "vocab_parallel_ce_backend": "a vocabulary-parallel cross-entropy",
     "injection_policy_tuple": "DeepSpeed's injection policies (the pass finds the blocks from the graph)",
     "preset_model": "DeepSpeed's per-architecture presets (the pass finds the blocks from the graph)",
@@ -198,6 +200,8 @@ class TensorParallelPlan:
     slices: dict[str, SliceSpec] = field(default_factory=dict)
     split: list[dict[str, Any]] = field(default_factory=list)
     replicated: list[dict[str, Any]] = field(default_factory=list)
+    vocab: list[dict[str, Any]] = field(default_factory=list)  # LM heads split by vocabulary (vocab_parallel_lm_head)
+    vocab_replicated: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _param_name(node: Any) -> str | None:
@@ -503,6 +507,105 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
 
 
 # ---------------------------------------------------------------------------------------------
+# the vocabulary-parallel LM head (``vocab_parallel_lm_head``)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class VocabHead:
+    """``cross_entropy_loss(view(linear(h, W)), targets)``, and the embeddings that read ``W`` (tied weights)."""
+
+    linear: Linear
+    views: list[fx.Node]
+    loss: fx.Node
+    embeddings: list[fx.Node]
+    vocab: int
+    ignore_index: int
+
+
+def _arg(node: fx.Node, position: int, name: str, default: Any) -> Any:
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str, Any]]]:
+    """Every mean cross-entropy computed straight from a linear's logits (the LM head), and those left whole (why)."""
+    heads: list[VocabHead] = []
+    whole: list[dict[str, Any]] = []
+    for loss in gm.graph.nodes:
+        if loss.target is not aten.cross_entropy_loss.default:
+            continue
+        try:
+            if _arg(loss, 2, "weight", None) is not None or _arg(loss, 3, "reduction", 1) != 1 or _arg(loss, 5, "label_smoothing", 0.0):
+                raise _Unsplittable("only the mean cross-entropy without class weights or label smoothing is split by vocabulary")
+            logits = loss.args[0]
+            if len(_shape(logits) or ()) != 2:
+                raise _Unsplittable("the loss does not read [tokens, vocabulary] logits")
+            views, x = [], logits
+            while x.target in _VIEWS and len(x.users) == 1:
+                views.append(x)
+                x = x.args[0]
+            head = _as_linear(x)
+            if head is None or head.transposed or head.bias is not None or len(x.users) != 1:
+                raise _Unsplittable("the loss does not read the logits of a linear without bias, used nowhere else")
+            vocab = _shape(x)[-1]  # type: ignore[index]
+            if any((_shape(v) or (0,))[-1] != vocab for v in views):
+                raise _Unsplittable("a view between the LM head and the loss moves the vocabulary dimension")
+            param = _attr(gm, str(x.args[1].target))  # type: ignore[union-attr]
+            readers = [n for n in gm.graph.nodes if n.op == "get_attr" and _attr(gm, str(n.target)) is param]  # tied: any name
+            embeddings = [u for r in readers for u in r.users if u is not x]
+            for u in embeddings:
+                if u.target is not aten.embedding.default or len(u.args) > 2 or u.kwargs:
+                    raise _Unsplittable(f"the LM head's weight is also read by {u.name} ({u.target}), not a plain embedding")
+            heads.append(VocabHead(head, views, loss, embeddings, vocab, int(_arg(loss, 4, "ignore_index", -100))))
+        except _Unsplittable as exc:
+            whole.append({"loss": loss.name, "reason": str(exc)})
+            log.warning("tensor_parallel: the LM head of %s stays replicated: %s", loss.name, exc)
+    return heads, whole
+
+
+def rewrite_vocab_heads(gm: fx.GraphModule, heads: list[VocabHead], group: Any, tp: int, rank: int, names: dict[str, str]) -> dict[str, SliceSpec]:
+    """Split each head's weight by vocabulary rows: its logits stay local, the loss becomes the parallel
+    cross-entropy, a tied embedding a vocabulary-parallel lookup. A vocabulary TP does not divide is padded
+    with zero rows that the loss leaves out of its softmax."""
+    graph = gm.graph
+    slices: dict[str, SliceSpec] = {}
+    held = [padded_units(h.vocab, tp) for h in heads]
+    for head, local in zip(heads, held):
+        first, count = units_of_rank(head.vocab, rank, tp)
+        x = head.linear.input
+        with graph.inserting_before(head.linear.node):
+            copied = graph.call_function(tp_copy, (x, group))
+        copied.meta["val"] = x.meta.get("val")
+        head.linear.node.replace_input_with(x, copied)
+        for view in head.views:
+            sizes = list(view.args[1])  # type: ignore[arg-type]
+            if sizes[-1] != -1:
+                sizes[-1] = local
+                view.args = (view.args[0], sizes, *view.args[2:])
+        with graph.inserting_after(head.loss):
+            parallel = graph.call_function(vocab_parallel_cross_entropy, (head.loss.args[0], head.loss.args[1], group, first, count, head.ignore_index))
+        parallel.meta["val"] = head.loss.meta.get("val")
+        head.loss.replace_all_uses_with(parallel)
+        graph.erase_node(head.loss)
+        for embedding in head.embeddings:
+            with graph.inserting_after(embedding):
+                lookup = graph.call_function(vocab_parallel_embedding, (embedding.args[0], embedding.args[1], group, first, count))
+            lookup.meta["val"] = embedding.meta.get("val")
+            embedding.replace_all_uses_with(lookup)
+            graph.erase_node(embedding)
+        weight = str(head.linear.node.args[1].target)  # type: ignore[union-attr]
+        slices[names.get(weight, weight)] = SliceSpec(dim=0, units=head.vocab if head.vocab % tp else 0)
+    graph.lint()
+    gm.recompile()
+    return slices
+
+
+# ---------------------------------------------------------------------------------------------
 # layer_specs
 # ---------------------------------------------------------------------------------------------
 def _spec_for(name: str, specs: list[LayerSpec]) -> tuple[str, str] | None:
@@ -682,6 +785,14 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
     plan.slices = rewrite(gm, blocks, group_name, tp, groups.tp_rank)
     plan.split = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
     plan.replicated = whole
+    if tc.vocab_parallel_lm_head:
+        heads, plan.vocab_replicated = find_vocab_heads(gm)
+        canonical: dict[int, str] = {}
+        for name, p in model.named_parameters():  # tied weights: the name the model lists first
+            canonical.setdefault(id(p), name)
+        names = {target: canonical[id(p)] for target, p in gm.named_parameters(remove_duplicate=False)}
+        plan.slices |= rewrite_vocab_heads(gm, heads, group_name, tp, groups.tp_rank, names)
+        plan.vocab = [{"weight": names.get(str(h.linear.node.args[1].target)), "vocab": h.vocab, "embeddings": len(h.embeddings)} for h in heads]
     partition_parameters(model, plan.slices, groups.tp_rank, tp)
     return gm, plan
 

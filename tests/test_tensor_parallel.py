@@ -76,10 +76,10 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict, str | N
 
     out: dict[str, Any] = {}
     for name, optimizer, lower, clip, overrides in runs:
-        model = CASES[name] | overrides
+        model = CASES[name] | {k: v for k, v in overrides.items() if k != "tensor_parallel"}
         case, ref = build(name, seed=3, **model), build(name, seed=3, **model)
         full_bytes = {n: p.numel() * p.element_size() for n, p in case.model.named_parameters()}
-        cfg: dict[str, Any] = {"optimizer": optimizer, "tensor_parallel": {"autotp_size": 2}}
+        cfg: dict[str, Any] = {"optimizer": optimizer, "tensor_parallel": {"autotp_size": 2} | overrides.get("tensor_parallel", {})}
         if lower is not None:
             cfg["lower"] = lower
         if clip:
@@ -119,6 +119,7 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict, str | N
             "held_fraction": held / sum(full_bytes[n] for n in sliced),
             "blocks_split": len(plan.split),
             "blocks_replicated": plan.replicated,
+            "vocab": plan.vocab,
         }
     out["checkpoint"] = checkpoint_round_trip(rank, save_dir)
     return out
@@ -134,7 +135,8 @@ RUNS = [
     ("hf_gpt2", SGD, "eager", 0.0, {}),
     ("hf_llama", SGD, "eager", 0.0, {}),
     ("gpt", SGD, "eager", 0.05, {"attention": "explicit"}),  # clipped by the global norm (TP slices summed over the group)
-    ("gpt", SGD, "eager", 0.0, {"d_model": 24, "n_heads": 3}),  # 3 heads on TP=2: padded to 4, rank 1's second head zero
+    # 3 heads on TP=2: padded to 4, rank 1's second head zero; the tied embedding/LM head split by vocabulary (41 rows: padded)
+    ("gpt", SGD, "eager", 0.0, {"d_model": 24, "n_heads": 3, "vocab_size": 41, "tensor_parallel": {"vocab_parallel_lm_head": True}}),
 ]
 
 
@@ -158,7 +160,9 @@ def test_tp2_equals_single_process(tmp_path) -> None:
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=tol, abs=1e-6), key
             assert r["grad_err"] < 1e-5, (key, r["grad_err"])
             assert r["param_err"] < tol, (key, r["param_err"])
-            if uneven:  # attention: 2 of 3 heads' weights per rank (rank 1's second is padding); the MLP: half
+            if uneven:  # the tied embedding and LM head: one loss and one lookup, split by vocabulary
+                assert r["vocab"] == [{"weight": "wte.weight", "vocab": 41, "embeddings": 1}], r["vocab"]
+            if uneven:  # attention: 2 of 3 heads' weights per rank (rank 1's second is padding); the MLP and vocabulary: half
                 assert 0.5 < r["held_fraction"] < 2 / 3, (key, r["held_fraction"])
             else:
                 assert r["held_fraction"] == pytest.approx(0.5), key  # each rank holds half of every split layer

@@ -31,9 +31,9 @@ def _train(config: dict[str, Any], tp: bool, model: dict[str, Any] | None = None
     from dscompile.zoo import build, make_batch
 
     case = build("llama", seed=3, **(MODEL | (model or {})))
-    cfg = dict(config) | {"optimizer": ADAMW}
+    cfg = {k: v for k, v in config.items() if k != "tensor_parallel"} | {"optimizer": ADAMW}
     if tp:
-        cfg["tensor_parallel"] = {"autotp_size": 2}
+        cfg["tensor_parallel"] = {"autotp_size": 2} | config.get("tensor_parallel", {})
     engine, optimizer, *_ = dscompile.initialize(model=case.model, config=cfg)
     losses, grads = [], None
     for step in range(STEPS):
@@ -95,8 +95,16 @@ RUNS = [
     ("ckpt", {"activation_checkpointing": {"memory_budget": 0.3}, "lower": "eager"}),
     ("bf16", {"bf16": {"enabled": True}, "lower": "eager"}),
     ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 8}, "lower": "eager"}),
-    # uneven: 3 KV heads (6 query heads, GQA) and 27 MLP hidden units on TP=2, each padded with zeros to an even split
-    ("uneven", {"model": {"d_model": 24, "n_heads": 6, "n_kv_heads": 3, "hidden_dim": 27}, "lower": "eager"}),
+    # uneven: 3 KV heads (6 query heads, GQA), 27 MLP hidden units and a 41-word vocabulary (the LM head split by
+    # vocabulary, with the parallel cross-entropy) on TP=2, each padded with zeros to an even split
+    (
+        "uneven",
+        {
+            "model": {"d_model": 24, "n_heads": 6, "n_kv_heads": 3, "hidden_dim": 27, "vocab_size": 41},
+            "tensor_parallel": {"vocab_parallel_lm_head": True},
+            "lower": "eager",
+        },
+    ),
 ]
 
 

@@ -75,6 +75,63 @@ def padded_units(units: int, world: int) -> int:
     return -(-units // world)
 
 
+def _all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "max", group_name))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits whose vocabulary is split over the TP group (each rank: its columns).
+
+    Three all-reduces of ``[N]`` vectors (the row maximum, the sum of exponentials, the target's logit)
+    stand in for gathering ``[N, V]`` logits; the backward is local: ``softmax - onehot`` on this rank's columns.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Any, first: int, count: int, ignore_index: int) -> torch.Tensor:
+        x = logits.float()
+        columns = torch.arange(x.shape[-1], device=x.device)
+        if count < x.shape[-1]:  # padded vocabulary rows: no part in the softmax
+            x = x.masked_fill(columns >= count, float("-inf"))
+        row_max = _all_reduce_max(x.detach().amax(dim=-1), group)
+        shifted = x - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        valid = targets != ignore_index
+        local = targets - first
+        mine = valid & (local >= 0) & (local < count)
+        index = torch.where(mine, local, torch.zeros_like(local)).unsqueeze(-1)
+        picked = torch.where(mine, shifted.gather(-1, index).squeeze(-1), torch.zeros_like(row_max))
+        target_logit = _all_reduce(picked, group)
+        losses = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(row_max))
+        n_valid = valid.sum()
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, mine, valid, n_valid)
+        ctx.dtype = logits.dtype
+        return (losses.sum() / n_valid).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, index, mine, valid, n_valid = ctx.saved_tensors
+        g = softmax.scatter_add(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        g = g * (valid.to(softmax.dtype) * (grad.float() / n_valid)).unsqueeze(-1)
+        return g.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Any, first: int, count: int, ignore_index: int) -> torch.Tensor:
+    """``F.cross_entropy(full_logits, targets, ignore_index=...)`` (mean) from this rank's vocabulary columns
+    ``[first, first + count)`` (then padding): the same value on every rank of the group."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, first, count, ignore_index)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, group: Any, first: int, count: int) -> torch.Tensor:
+    """``F.embedding(ids, full_weight)`` from this rank's rows ``[first, first + count)``: ids outside them read
+    a zero row here; the all-reduce (``tp_reduce``) adds the one rank's row that holds each id."""
+    local = ids - first
+    outside = (local < 0) | (local >= count)
+    rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
+    return tp_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
 @dataclass(frozen=True)
 class SliceSpec:
     """How a parameter is split across the TP group: along ``dim``, in ``blocks`` equal blocks each cut in TP pieces.
