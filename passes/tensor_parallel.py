@@ -863,7 +863,6 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     zero = sections.get("zero_optimization")
     clashes = {
         "zero_optimization.offload_optimizer": zero is not None and getattr(zero.offload_optimizer, "enabled", False),
-        "gradient_clipping under ZeRO": zero is not None and zero.stage > 0 and engine.config.gradient_clipping > 0,
         "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
     }
     for key, clash in clashes.items():

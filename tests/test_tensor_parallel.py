@@ -171,6 +171,7 @@ def test_tp2_equals_single_process(tmp_path) -> None:
 
 
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO shards the TP slices over the DP group
+CLIP = 0.05
 
 
 def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
@@ -182,18 +183,22 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for zero in ZERO_STAGES:
         case, ref = build("gpt", seed=3, **CASES["gpt"]), build("gpt", seed=3, **CASES["gpt"])
-        cfg: dict[str, Any] = {"optimizer": ADAMW, "tensor_parallel": {"autotp_size": 2}, "lower": "eager"}
+        # clipped by the global norm (each rank's shards, TP slices summed over the TP group); it does clip here
+        cfg: dict[str, Any] = {"optimizer": ADAMW, "tensor_parallel": {"autotp_size": 2}, "lower": "eager", "gradient_clipping": CLIP}
         if zero:
             cfg["zero_optimization"] = {"stage": zero}
         engine, optimizer, *_ = dscompile.initialize(model=case.model, config=cfg)
         groups = engine.process_groups
         ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=ADAMW["params"]["lr"])
+        norms = []
         for step in range(2):
             batches = [make_batch(case, seed=10 * step + dp) for dp in range(groups.dp_size)]
             engine.backward(engine(*batches[groups.dp_rank]))
             engine.step()
             ref_loss = sum(ref.model(*b) for b in batches) / len(batches)
             ref_loss.backward()
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), CLIP))
+            norms.append((engine.get_global_grad_norm(), ref_norm))
             ref_opt.step()
             ref_opt.zero_grad()
         full = engine.full_parameters()
@@ -204,6 +209,7 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
             "zero_world": engine.zero.world if engine.zero is not None else None,
             "param_err": max(_relative(full[n], p.detach()) for n, p in ref.model.named_parameters()),
             "same_optimizer": optimizer is engine.optimizer,
+            "norms": norms,
         }
     return out
 
@@ -221,3 +227,5 @@ def test_tp2_times_dp2_on_4_ranks() -> None:
             assert r["dp_world"] == 2 and r["zero_world"] == (2 if zero else None)
             assert r["param_err"] < 1e-3, (zero, r["param_err"])  # AdamW: 1e-3 relative
             assert r["same_optimizer"], zero  # the optimizer initialize returned is the one stepped (ZeRO moved it in place)
+            for step, (norm, ref_norm) in enumerate(r["norms"]):  # after one AdamW step: 1e-3, as the parameters
+                assert norm == pytest.approx(ref_norm, rel=1e-5 if step == 0 else 1e-3) and ref_norm > CLIP, (zero, step, norm, ref_norm)

@@ -303,7 +303,27 @@ class TensorParallelOver(GradientStrategy):
         self.inner.reduce(engine)
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
-        raise NotImplementedError("gradient clipping with tensor parallelism under ZeRO is not built (refused at configuration)")
+        """By the global norm: shard squares summed over the DP group, and the TP slices' also over the TP group."""
+        partition = engine.zero  # type: ignore[attr-defined]
+        specs = self._slices()
+        device = partition.shards[0].device
+        sq = torch.zeros(2, dtype=torch.float64, device=device)  # [sliced, replicated over TP]
+        for layout, shard in zip(partition.layouts, partition.shards):
+            if shard.grad is not None:
+                sq[0 if layout.name in specs else 1] += shard.grad.detach().double().pow(2).sum()
+        if partition.world > 1:
+            dist.all_reduce(sq, group=partition.group)
+        if self.groups.tp_size > 1:
+            sliced = sq[:1].clone()
+            dist.all_reduce(sliced, group=self.groups.tp_group)
+            sq[0] = sliced[0]
+        total = float(sq.sum().sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
 
     def after_optimizer_step(self, engine: EngineCore) -> None:
         self.inner.after_optimizer_step(engine)
