@@ -11,14 +11,23 @@ ops, softmax over another dimension, batched matmuls, SDPA, rotary halves, GQA's
   graph splits into equal parts has each part split, so each rank holds its q, k and v heads),
 - the residual-adding linear becomes row-parallel (input features split, bias added once after),
 - the view/reshape/expand shapes that carry the head count or hidden size are divided by TP,
+- a block whose units (heads; KV-head groups under GQA, each with its query heads; hidden units) TP
+  does not divide is padded: every rank runs the largest share, its own units then zero-weight ones,
+  and a 0/1 mask on the row-parallel linear's input keeps the padding out of the output and out of
+  the gradients (so its weights stay zero); the slices record it (``SliceSpec.units``) and drop it
+  when assembled,
 - ``tp_copy`` (identity forward, all-reduce of the gradient backward) goes before the block and
   ``tp_reduce`` (all-reduce forward) after the row-parallel linear: functional-collective nodes once
   the graph is compiled,
 - the parameters are partitioned in place: the same ``nn.Parameter`` objects (the optimizer's) now
   hold only this rank's slice.
 
-A block the pass cannot split (heads not divisible by TP, an op it does not know, a value used outside
-the block) stays replicated, and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
+With ``vocab_parallel_lm_head`` the LM head (a linear whose logits a mean cross-entropy reads) is
+split by vocabulary rows, the loss becomes a parallel cross-entropy (three all-reduces of per-token
+vectors, no gathered logits) and an embedding tied to it a vocabulary-parallel lookup; a vocabulary TP
+does not divide is padded with rows the loss leaves out of its softmax.
+
+A block the pass cannot split (an op it does not know, a value used outside the block) stays replicated, and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
 block can be split, the engine refuses to start. ``partition_config.layer_specs`` (DeepSpeed's regexes
 over parameter names, ``partition_type`` ``column`` / ``row`` / ``skip``) overrides the choice: ``skip``
 keeps a block replicated, ``column``/``row`` must agree with what the graph allows (else an error names
@@ -26,9 +35,11 @@ the pattern), and with ``use_default_specs: false`` only blocks whose every line
 
 The engine's part (``TensorParallelExtension``): TP × DP groups (``runtime/process_groups.py``), every
 batch broadcast within its TP group, gradients averaged over the DP group only
-(``TensorParallelGradients``), and ZeRO-1 over the DP group: the ZeRO extension hands its partitioning
+(``TensorParallelGradients``), and ZeRO 1-3 over the DP group: the ZeRO extension hands its partitioning
 to ``engine.after_parameters_split``, run once the first batch split the model, so it shards the TP
-slices. The pass runs on the exported graph *before* the dscompile pipeline (it changes parameter
+slices (ZeRO-2/3 then run the split graph over their shards, and the optimizer ``initialize`` returned
+is moved onto the shards in place). Mixed precision (bf16, fp16 with loss scaling) and activation
+checkpointing are the usual passes on the split graph. The pass runs on the exported graph *before* the dscompile pipeline (it changes parameter
 shapes, which Dynamo would otherwise guard on); the split graph then compiles through the usual
 pipeline and lowering.
 """
