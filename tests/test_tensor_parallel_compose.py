@@ -17,7 +17,7 @@ import torch
 
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
-MODEL = {"seq_len": 8, "d_model": 16, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "vocab_size": 40, "hidden_dim": 32}
+MODEL = {"seq_len": 8, "d_model": 16, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1, "vocab_size": 40, "hidden_dim": 32}
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
 STEPS = 3
 
