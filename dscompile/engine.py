@@ -83,7 +83,8 @@ class DSCompileEngine(nn.Module, EngineCore):
 
     def _compile(self, target: nn.Module, config: DSConfig) -> Any:
         compiled = torch.compile(target, backend="dscompile", options=config) if self.compiles_model else target
-        return EngineEntry(compiled, self, self.compute_dtype, target)  # DeepSpeed's 16-bit convention, loss.backward()
+        reference = getattr(target, "output_dtype_module", target)  # the user's model behind a wrapper that splits it
+        return EngineEntry(compiled, self, self.compute_dtype, reference)  # DeepSpeed's 16-bit convention, loss.backward()
 
     def release_compiled(self) -> None:
         """``destroy()``: drop the compiled graphs; a later forward says the engine is gone."""

@@ -247,6 +247,9 @@ _LOW_CUDA_ONLY = {"addmv", "addr", "mv", "chain_matmul", "linalg_multi_dot", "mu
 
 _LOSSES = {
     "cross_entropy",
+    "cross_entropy_loss",  # the ATen spelling (a graph captured by torch.export, as tensor parallelism's)
+    "nll_loss_nd",
+    "nll_loss_forward",
     "nll_loss",
     "nll_loss2d",
     "mse_loss",
@@ -683,7 +686,10 @@ class _CastInserter:
             if node.op in ("placeholder", "get_attr"):
                 value = node_value(node)
                 if value is None and node.op == "get_attr":
-                    value = self.fake_mode.from_tensor(_fetch_attr(self.gm, str(node.target)))
+                    attr = _fetch_attr(self.gm, str(node.target))
+                    # a subgraph (an autograd.Function's forward/backward bodies, e.g. tensor parallelism's
+                    # collectives) is no value: the op using it is opaque to the policy
+                    value = self.fake_mode.from_tensor(attr) if isinstance(attr, torch.Tensor) else None
                     self.original[node] = value
                 self.env[node] = value
                 continue

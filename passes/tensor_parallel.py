@@ -11,14 +11,23 @@ ops, softmax over another dimension, batched matmuls, SDPA, rotary halves, GQA's
   graph splits into equal parts has each part split, so each rank holds its q, k and v heads),
 - the residual-adding linear becomes row-parallel (input features split, bias added once after),
 - the view/reshape/expand shapes that carry the head count or hidden size are divided by TP,
+- a block whose units (heads; KV-head groups under GQA, each with its query heads; hidden units) TP
+  does not divide is padded: every rank runs the largest share, its own units then zero-weight ones,
+  and a 0/1 mask on the row-parallel linear's input keeps the padding out of the output and out of
+  the gradients (so its weights stay zero); the slices record it (``SliceSpec.units``) and drop it
+  when assembled,
 - ``tp_copy`` (identity forward, all-reduce of the gradient backward) goes before the block and
   ``tp_reduce`` (all-reduce forward) after the row-parallel linear: functional-collective nodes once
   the graph is compiled,
 - the parameters are partitioned in place: the same ``nn.Parameter`` objects (the optimizer's) now
   hold only this rank's slice.
 
-A block the pass cannot split (heads not divisible by TP, an op it does not know, a value used outside
-the block) stays replicated, and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
+With ``vocab_parallel_lm_head`` the LM head (a linear whose logits a mean cross-entropy reads) is
+split by vocabulary rows, the loss becomes a parallel cross-entropy (three all-reduces of per-token
+vectors, no gathered logits) and an embedding tied to it a vocabulary-parallel lookup; a vocabulary TP
+does not divide is padded with rows the loss leaves out of its softmax.
+
+A block the pass cannot split (an op it does not know, a value used outside the block) stays replicated, and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
 block can be split, the engine refuses to start. ``partition_config.layer_specs`` (DeepSpeed's regexes
 over parameter names, ``partition_type`` ``column`` / ``row`` / ``skip``) overrides the choice: ``skip``
 keeps a block replicated, ``column``/``row`` must agree with what the graph allows (else an error names
@@ -26,9 +35,11 @@ the pattern), and with ``use_default_specs: false`` only blocks whose every line
 
 The engine's part (``TensorParallelExtension``): TP × DP groups (``runtime/process_groups.py``), every
 batch broadcast within its TP group, gradients averaged over the DP group only
-(``TensorParallelGradients``), and ZeRO-1 over the DP group: the ZeRO extension hands its partitioning
+(``TensorParallelGradients``), and ZeRO 1-3 over the DP group: the ZeRO extension hands its partitioning
 to ``engine.after_parameters_split``, run once the first batch split the model, so it shards the TP
-slices. The pass runs on the exported graph *before* the dscompile pipeline (it changes parameter
+slices (ZeRO-2/3 then run the split graph over their shards, and the optimizer ``initialize`` returned
+is moved onto the shards in place). Mixed precision (bf16, fp16 with loss scaling) and activation
+checkpointing are the usual passes on the split graph. The pass runs on the exported graph *before* the dscompile pipeline (it changes parameter
 shapes, which Dynamo would otherwise guard on); the split graph then compiles through the usual
 pipeline and lowering.
 """
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import re
 from collections.abc import Mapping
@@ -51,7 +63,18 @@ from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
-from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, TensorParallelOver, gather_slices, tp_copy, tp_reduce
+from dscompile.runtime.tensor_parallel import (
+    SliceSpec,
+    TensorParallelGradients,
+    TensorParallelOver,
+    gather_slices,
+    padded_units,
+    tp_copy,
+    tp_reduce,
+    units_of_rank,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
 aten = torch.ops.aten
@@ -87,6 +110,7 @@ class PartitionConfig:
 class TensorParallelConfig:
     autotp_size: int = 1
     tp_overlap_comm: bool = False
+    vocab_parallel_lm_head: bool = False  # split the LM head (and an embedding tied to it) by vocabulary rows
     partition_config: PartitionConfig = field(default_factory=PartitionConfig)
 
     @property
@@ -95,7 +119,6 @@ class TensorParallelConfig:
 
 
 _REFUSED_WHEN_SET = {
-    "vocab_parallel_lm_head": "a vocabulary-parallel LM head (the embedding and LM head stay replicated)",
     "vocab_parallel_ce_backend": "a vocabulary-parallel cross-entropy",
     "injection_policy_tuple": "DeepSpeed's injection policies (the pass finds the blocks from the graph)",
     "preset_model": "DeepSpeed's per-architecture presets (the pass finds the blocks from the graph)",
@@ -176,7 +199,8 @@ class Block:
     region: list[fx.Node]
     sharded: dict[fx.Node, int]  # node -> its sliced dim
     blocks: dict[fx.Node, int]  # column node -> number of fused parts
-    rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, new size)
+    rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, its full size)
+    units: int  # the block's sliced sizes are multiples of this many units (heads or KV-head groups, hidden units)
 
 
 @dataclass
@@ -187,6 +211,8 @@ class TensorParallelPlan:
     slices: dict[str, SliceSpec] = field(default_factory=dict)
     split: list[dict[str, Any]] = field(default_factory=list)
     replicated: list[dict[str, Any]] = field(default_factory=list)
+    vocab: list[dict[str, Any]] = field(default_factory=list)  # LM heads split by vocabulary (vocab_parallel_lm_head)
+    vocab_replicated: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _param_name(node: Any) -> str | None:
@@ -262,10 +288,7 @@ def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, tp: int) -> 
             real_dst = [d for d in gj if d < len(dst) and dst[d] != 1]
             if not real_src or real_src[0] != dim:
                 raise _Unsplittable(f"a view merges the sliced dimension {dim} of {src} under an outer one")
-            out = real_dst[0]
-            if dst[out] % tp:
-                raise _Unsplittable(f"a view to {dst} puts {dst[out]} (heads or hidden units) on the sliced dimension, not divisible by TP={tp}")
-            return out
+            return real_dst[0]
     raise _Unsplittable(f"cannot follow dimension {dim} through a view {src} -> {dst}")
 
 
@@ -321,7 +344,7 @@ class _Propagator:
                 raise _Unsplittable("repeat_interleave over the flattened tensor")
             size = node.kwargs.get("output_size")
             if size is not None and dim % len(in_shape) == d:  # type: ignore[operator]
-                node.kwargs = {**node.kwargs, "output_size": int(size) // tp}
+                self.rewrites[node] = (-3, int(size))
             self.sharded[node] = d
         elif target is aten.expand.default:
             out = d + len(out_shape) - len(in_shape)
@@ -333,8 +356,6 @@ class _Propagator:
             if dim == d:
                 if src not in self.origin or self.blocks[self.origin[src]] != 1 or len({p for p in parts}) != 1:
                     raise _Unsplittable("the sliced dimension is split unevenly or twice")
-                if in_shape[d] // len(node.users) % tp:
-                    raise _Unsplittable(f"a fused projection's parts of {in_shape[d] // len(node.users)} are not divisible by TP={tp}")
                 self.blocks[self.origin[src]] = sum(1 for _ in node.users) if target is not aten.split_with_sizes.default else len(node.args[1])  # type: ignore[arg-type]
                 self._split_arg(node, in_shape[d])
             self.sharded[node] = d
@@ -407,13 +428,13 @@ class _Propagator:
         if isinstance(sizes, (list, tuple)) and out < len(sizes):
             entry = sizes[out]
             if isinstance(entry, int) and entry != -1:
-                self.rewrites[node] = (out, out_shape[out] // self.tp)
+                self.rewrites[node] = (out, out_shape[out])
             elif not isinstance(entry, int):
                 raise _Unsplittable(f"{node.name} has a symbolic size on the sliced dimension")
 
     def _split_arg(self, node: fx.Node, size: int) -> None:
         if node.target is aten.split.Tensor:
-            self.rewrites[node] = (-1, int(node.args[1]) // self.tp)  # type: ignore[arg-type]
+            self.rewrites[node] = (-1, int(node.args[1]))  # type: ignore[arg-type]
         elif node.target is aten.split_with_sizes.default:
             self.rewrites[node] = (-2, 0)
 
@@ -435,6 +456,21 @@ def _region(row: Linear, linears: dict[fx.Node, Linear]) -> tuple[list[Linear], 
             continue
         stack.extend(node.all_input_nodes)
     return list(columns.values()), seen
+
+
+def _units(prop: _Propagator, columns: list[Linear]) -> int:
+    """The most units every sliced size of the block is a whole multiple of (their gcd): heads, or KV-head groups
+    under GQA (a query head is sliced with its KV head), or hidden units; the split is in these."""
+    sizes = []
+    for node, dim in prop.sharded.items():
+        shape = _shape(node)
+        if shape is not None:
+            sizes.append(shape[dim] // prop.blocks.get(node, 1))  # a fused projection: each of its parts
+    sizes += [size for pos, size in prop.rewrites.values() if pos == -1]  # split(x, size): each part
+    units = math.gcd(*sizes)
+    if units < 1:
+        raise _Unsplittable("a sliced dimension has size 0")
+    return units
 
 
 def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str, Any]]]:
@@ -470,17 +506,114 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
                 outside = [u.name for u in n.users if u not in inside and u is not row.node]
                 if outside:
                     raise _Unsplittable(f"{n.name} is also used outside the block ({', '.join(outside)})")
-            for c in columns:
-                out_features = _shape(c.node)[-1]  # type: ignore[index]
-                if out_features % (prop.blocks[c.node] * tp):
-                    raise _Unsplittable(f"{c.weight} has {out_features} outputs, not divisible by TP={tp}")
-            if last[-1] % tp:  # type: ignore[index]
-                raise _Unsplittable(f"{row.weight} has {last[-1]} inputs, not divisible by TP={tp}")  # type: ignore[index]
-            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites))
+            units = _units(prop, columns)
+            if units % tp:
+                padded = padded_units(units, tp) * tp
+                log.info("tensor_parallel: %s splits %d units (heads or hidden units) over TP=%d, padded with zeros to %d", row.weight, units, tp, padded)
+            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units))
         except _Unsplittable as exc:
             whole.append({"row": row.weight, "columns": [c.weight for c in columns], "reason": str(exc)})
             log.warning("tensor_parallel: %s stays replicated: %s", row.weight, exc)
     return blocks, whole
+
+
+# ---------------------------------------------------------------------------------------------
+# the vocabulary-parallel LM head (``vocab_parallel_lm_head``)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class VocabHead:
+    """``cross_entropy_loss(view(linear(h, W)), targets)``, and the embeddings that read ``W`` (tied weights)."""
+
+    linear: Linear
+    views: list[fx.Node]
+    loss: fx.Node
+    embeddings: list[fx.Node]
+    vocab: int
+    ignore_index: int
+
+
+def _arg(node: fx.Node, position: int, name: str, default: Any) -> Any:
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str, Any]]]:
+    """Every mean cross-entropy computed straight from a linear's logits (the LM head), and those left whole (why)."""
+    heads: list[VocabHead] = []
+    whole: list[dict[str, Any]] = []
+    for loss in gm.graph.nodes:
+        if loss.target is not aten.cross_entropy_loss.default:
+            continue
+        try:
+            if _arg(loss, 2, "weight", None) is not None or _arg(loss, 3, "reduction", 1) != 1 or _arg(loss, 5, "label_smoothing", 0.0):
+                raise _Unsplittable("only the mean cross-entropy without class weights or label smoothing is split by vocabulary")
+            logits = loss.args[0]
+            if len(_shape(logits) or ()) != 2:
+                raise _Unsplittable("the loss does not read [tokens, vocabulary] logits")
+            views, x = [], logits
+            while x.target in _VIEWS and len(x.users) == 1:
+                views.append(x)
+                x = x.args[0]
+            head = _as_linear(x)
+            if head is None or head.transposed or head.bias is not None or len(x.users) != 1:
+                raise _Unsplittable("the loss does not read the logits of a linear without bias, used nowhere else")
+            vocab = _shape(x)[-1]  # type: ignore[index]
+            if any((_shape(v) or (0,))[-1] != vocab for v in views):
+                raise _Unsplittable("a view between the LM head and the loss moves the vocabulary dimension")
+            param = _attr(gm, str(x.args[1].target))  # type: ignore[union-attr]
+            readers = [n for n in gm.graph.nodes if n.op == "get_attr" and _attr(gm, str(n.target)) is param]  # tied: any name
+            embeddings = [u for r in readers for u in r.users if u is not x]
+            for u in embeddings:
+                if u.target is not aten.embedding.default or len(u.args) > 2 or u.kwargs:
+                    raise _Unsplittable(f"the LM head's weight is also read by {u.name} ({u.target}), not a plain embedding")
+            heads.append(VocabHead(head, views, loss, embeddings, vocab, int(_arg(loss, 4, "ignore_index", -100))))
+        except _Unsplittable as exc:
+            whole.append({"loss": loss.name, "reason": str(exc)})
+            log.warning("tensor_parallel: the LM head of %s stays replicated: %s", loss.name, exc)
+    return heads, whole
+
+
+def rewrite_vocab_heads(gm: fx.GraphModule, heads: list[VocabHead], group: Any, tp: int, rank: int, names: dict[str, str]) -> dict[str, SliceSpec]:
+    """Split each head's weight by vocabulary rows: its logits stay local, the loss becomes the parallel
+    cross-entropy, a tied embedding a vocabulary-parallel lookup. A vocabulary TP does not divide is padded
+    with zero rows that the loss leaves out of its softmax."""
+    graph = gm.graph
+    slices: dict[str, SliceSpec] = {}
+    held = [padded_units(h.vocab, tp) for h in heads]
+    for head, local in zip(heads, held):
+        first, count = units_of_rank(head.vocab, rank, tp)
+        x = head.linear.input
+        with graph.inserting_before(head.linear.node):
+            copied = graph.call_function(tp_copy, (x, group))
+        copied.meta["val"] = x.meta.get("val")
+        head.linear.node.replace_input_with(x, copied)
+        for view in head.views:
+            sizes = list(view.args[1])  # type: ignore[arg-type]
+            if sizes[-1] != -1:
+                sizes[-1] = local
+                view.args = (view.args[0], sizes, *view.args[2:])
+        with graph.inserting_after(head.loss):
+            parallel = graph.call_function(vocab_parallel_cross_entropy, (head.loss.args[0], head.loss.args[1], group, first, count, head.ignore_index))
+        parallel.meta["val"] = head.loss.meta.get("val")
+        head.loss.replace_all_uses_with(parallel)
+        graph.erase_node(head.loss)
+        for embedding in head.embeddings:
+            with graph.inserting_after(embedding):
+                lookup = graph.call_function(vocab_parallel_embedding, (embedding.args[0], embedding.args[1], group, first, count))
+            lookup.meta["val"] = embedding.meta.get("val")
+            embedding.replace_all_uses_with(lookup)
+            graph.erase_node(embedding)
+        weight = str(head.linear.node.args[1].target)  # type: ignore[union-attr]
+        slices[names.get(weight, weight)] = SliceSpec(dim=0, units=head.vocab if head.vocab % tp else 0)
+    graph.lint()
+    gm.recompile()
+    return slices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,12 +664,22 @@ def _fake_like(node: fx.Node, shape: list[int]) -> None:
         node.meta["val"] = val.new_empty(shape)
 
 
-def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dict[str, SliceSpec]:
-    """Slice the shapes, make the row linears partial sums + all-reduce, put ``tp_copy`` before each block."""
+def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: int) -> dict[str, SliceSpec]:
+    """Slice the shapes, make the row linears partial sums + all-reduce, put ``tp_copy`` before each block.
+
+    A block whose units TP does not divide runs on every rank with the largest share of units: this rank's
+    own, then zero-weight padding; the row-parallel linear's input is multiplied by a 0/1 mask over the
+    padding, so padded units add nothing to the output and get no gradient (their weights stay zero).
+    """
     slices: dict[str, SliceSpec] = {}
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for b in blocks:
+    for index, b in enumerate(blocks):
+        padded = b.units % tp != 0
+        held = padded_units(b.units, tp)
+
+        def local(size: int, b: Block = b, held: int = held) -> int:
+            return size // b.units * held
         x = b.columns[0].input
         first = min((c.node for c in b.columns), key=order.__getitem__)
         with graph.inserting_before(first):
@@ -546,26 +689,32 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dic
         for c in b.columns:
             c.node.replace_input_with(x, copied)
             parts = b.blocks[c.node]
-            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts)
+            units = b.units if padded else 0
+            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts, units=units)
             if c.bias is not None:
-                slices[c.bias] = SliceSpec(dim=0, blocks=parts)
+                slices[c.bias] = SliceSpec(dim=0, blocks=parts, units=units)
         for node, (pos, size) in b.rewrites.items():
             if pos == -1:  # split(x, size): each part's size
-                node.args = (node.args[0], size, *node.args[2:])
+                node.args = (node.args[0], local(size), *node.args[2:])
             elif pos == -2:  # split_with_sizes: every size
-                node.args = (node.args[0], [s // tp for s in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+                node.args = (node.args[0], [local(s) for s in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+            elif pos == -3:  # repeat_interleave's output_size
+                node.kwargs = {**node.kwargs, "output_size": local(size)}
             else:
                 sizes = list(node.args[1])  # type: ignore[arg-type]
-                sizes[pos] = size
+                sizes[pos] = local(size)
                 node.args = (node.args[0], sizes, *node.args[2:])
         row = b.row
-        slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1)
+        slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1, units=b.units if padded else 0)
         node = row.node
+        row_input = row.input
+        if padded:
+            row_input = _mask_padding(gm, row_input, f"_tp_padding_mask_{index}", b.units, rank, tp)
         with graph.inserting_after(node):
             if row.transposed:  # addmm(b, x, W) -> mm(x, W_slice), all-reduce, + b
-                partial = graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
+                partial = graph.call_function(aten.mm.default, (row_input, node.args[2]))
             else:
-                partial = graph.call_function(aten.linear.default, (node.args[0], node.args[1]))
+                partial = graph.call_function(aten.linear.default, (row_input, node.args[1]))
         with graph.inserting_after(partial):
             reduced = graph.call_function(tp_reduce, (partial, group))
         last = reduced
@@ -581,6 +730,24 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dic
     graph.lint()
     gm.recompile()
     return slices
+
+
+def _mask_padding(gm: fx.GraphModule, x: fx.Node, name: str, units: int, rank: int, tp: int) -> fx.Node:
+    """``x * mask``: ones over this rank's units of the last dimension, zeros over its padding."""
+    val = x.meta["val"]  # still the unsplit value
+    unit = int(val.shape[-1]) // units
+    local_features = unit * padded_units(units, tp)
+    mask = torch.zeros(local_features, dtype=val.dtype, device=val.device)
+    mask[: units_of_rank(units, rank, tp)[1] * unit] = 1
+    gm.register_buffer(name, mask)
+    with gm.graph.inserting_after(x):
+        attr = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(attr):
+        masked = gm.graph.call_function(aten.mul.Tensor, (x, attr))
+    attr.meta["val"] = val.new_empty(local_features)
+    masked.meta["val"] = val
+    masked.meta.setdefault("dscompile", {})["shard"] = "tp_padding_mask"
+    return masked
 
 
 def partition_parameters(model: nn.Module, slices: dict[str, SliceSpec], rank: int, tp: int) -> None:
@@ -626,9 +793,17 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
         )
     plan = TensorParallelPlan(tp)
     group_name = groups.tp_group.group_name if groups.tp_group is not None else ""
-    plan.slices = rewrite(gm, blocks, group_name, tp)
+    plan.slices = rewrite(gm, blocks, group_name, tp, groups.tp_rank)
     plan.split = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
     plan.replicated = whole
+    if tc.vocab_parallel_lm_head:
+        heads, plan.vocab_replicated = find_vocab_heads(gm)
+        canonical: dict[int, str] = {}
+        for name, p in model.named_parameters():  # tied weights: the name the model lists first
+            canonical.setdefault(id(p), name)
+        names = {target: canonical[id(p)] for target, p in gm.named_parameters(remove_duplicate=False)}
+        plan.slices |= rewrite_vocab_heads(gm, heads, group_name, tp, groups.tp_rank, names)
+        plan.vocab = [{"weight": names.get(str(h.linear.node.args[1].target)), "vocab": h.vocab, "embeddings": len(h.embeddings)} for h in heads]
     partition_parameters(model, plan.slices, groups.tp_rank, tp)
     return gm, plan
 
@@ -657,6 +832,11 @@ class TensorParallelModule(nn.Module):
         self._signature: Any = None
         self._training = True
 
+    @property
+    def output_dtype_module(self) -> nn.Module:
+        """The model whose 16-bit outputs' dtypes the engine mirrors (probed before the first batch splits it)."""
+        return self.model
+
     def _broadcast_batch(self, values: list[Any]) -> None:
         if self.groups.tp_size > 1:
             for v in values:
@@ -668,11 +848,10 @@ class TensorParallelModule(nn.Module):
         signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
         if self._graph is None:
             gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
-            if self.after_split is not None:
-                self.after_split()
+            run: nn.Module = self.after_split(gm) if self.after_split is not None else gm
             self._signature = signature
             self._training = self.model.training
-            self.__dict__["_graph"] = torch.compile(gm, backend="dscompile", options=self.compile_options) if self.compile_options is not None else gm
+            self.__dict__["_graph"] = torch.compile(run, backend="dscompile", options=self.compile_options) if self.compile_options is not None else run
         elif self._training != self.model.training:
             raise DSCompileConfigError(
                 "tensor_parallel",
@@ -694,12 +873,8 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     sections = engine.config.sections
     zero = sections.get("zero_optimization")
     clashes = {
-        "zero_optimization stages 2 and 3": zero is not None and zero.stage > 1,
-        "gradient_clipping under ZeRO": zero is not None and zero.stage > 0 and engine.config.gradient_clipping > 0,
+        "zero_optimization.offload_optimizer": zero is not None and getattr(zero.offload_optimizer, "enabled", False),
         "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
-        "activation_checkpointing": sections.get("activation_checkpointing") is not None,
-        "bf16": getattr(sections.get("bf16"), "enabled", False),
-        "fp16": getattr(sections.get("fp16"), "enabled", False),
     }
     for key, clash in clashes.items():
         if clash:
@@ -733,15 +908,18 @@ class TensorParallelExtension(EngineExtension):
         engine.process_groups = groups  # type: ignore[attr-defined]
         engine.gradients = TensorParallelGradients(engine.module, groups, self.slices)
         self.engine = engine
-        # extensions that partition parameters themselves (ZeRO-1) append here: run once the model is split
+        # extensions that partition parameters themselves (ZeRO) append here: run once the model is split, each
+        # takes the module that runs the split graph and returns the one to run (ZeRO-2/3 wrap it over their shards)
         engine.after_parameters_split = []  # type: ignore[attr-defined]
 
-    def _after_split(self) -> None:
+    def _after_split(self, split: nn.Module) -> nn.Module:
+        """Run the extensions waiting for the split parameters; each may wrap the module that runs (ZeRO-2/3)."""
         engine = self.engine
         for callback in engine.after_parameters_split:  # type: ignore[attr-defined]
-            callback()
+            split = callback(split)
         if not isinstance(engine.gradients, TensorParallelGradients):  # ZeRO-1 took over: gather its TP slices too
             engine.gradients = TensorParallelOver(engine.gradients, self.groups, self.slices)  # type: ignore[arg-type]
+        return split
 
     @property
     def plan(self) -> TensorParallelPlan | None:

@@ -85,7 +85,7 @@ def test_prescale_and_predivide_contradict():
 @pytest.mark.parametrize(
     "config,key",
     [
-        ({"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}, "tensor_parallel.vocab_parallel_lm_head"),
+        ({"tensor_parallel": {"autotp_size": 2, "vocab_parallel_ce_backend": "fused"}}, "tensor_parallel.vocab_parallel_ce_backend"),
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled"),
         ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
         ({"sparse_gradients": True}, "sparse_gradients"),

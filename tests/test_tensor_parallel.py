@@ -76,10 +76,10 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict, str | N
 
     out: dict[str, Any] = {}
     for name, optimizer, lower, clip, overrides in runs:
-        model = CASES[name] | overrides
+        model = CASES[name] | {k: v for k, v in overrides.items() if k != "tensor_parallel"}
         case, ref = build(name, seed=3, **model), build(name, seed=3, **model)
         full_bytes = {n: p.numel() * p.element_size() for n, p in case.model.named_parameters()}
-        cfg: dict[str, Any] = {"optimizer": optimizer, "tensor_parallel": {"autotp_size": 2}}
+        cfg: dict[str, Any] = {"optimizer": optimizer, "tensor_parallel": {"autotp_size": 2} | overrides.get("tensor_parallel", {})}
         if lower is not None:
             cfg["lower"] = lower
         if clip:
@@ -119,6 +119,7 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict, str | N
             "held_fraction": held / sum(full_bytes[n] for n in sliced),
             "blocks_split": len(plan.split),
             "blocks_replicated": plan.replicated,
+            "vocab": plan.vocab,
         }
     out["checkpoint"] = checkpoint_round_trip(rank, save_dir)
     return out
@@ -134,7 +135,8 @@ RUNS = [
     ("hf_gpt2", SGD, "eager", 0.0, {}),
     ("hf_llama", SGD, "eager", 0.0, {}),
     ("gpt", SGD, "eager", 0.05, {"attention": "explicit"}),  # clipped by the global norm (TP slices summed over the group)
-    ("gpt", SGD, "eager", 0.0, {"d_model": 24, "n_heads": 3}),  # 3 heads on TP=2: attention stays whole, the MLP splits
+    # 3 heads on TP=2: padded to 4, rank 1's second head zero; the tied embedding/LM head split by vocabulary (41 rows: padded)
+    ("gpt", SGD, "eager", 0.0, {"d_model": 24, "n_heads": 3, "vocab_size": 41, "tensor_parallel": {"vocab_parallel_lm_head": True}}),
 ]
 
 
@@ -152,38 +154,51 @@ def test_tp2_equals_single_process(tmp_path) -> None:
         for key, r in rank_result.items():
             name = r["name"]
             tol = 1e-5
-            uneven = "n_heads" in key  # the 3-head run
-            assert r["blocks_split"] == (1 if uneven else 2) * CASES[name]["n_layers"], (key, r["blocks_replicated"])
-            assert len(r["blocks_replicated"]) == (1 if uneven else 0), key
+            uneven = "n_heads" in key  # the 3-head run: split with one zero head padded on rank 1
+            assert r["blocks_split"] == 2 * CASES[name]["n_layers"], (key, r["blocks_replicated"])
+            assert not r["blocks_replicated"], key
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=tol, abs=1e-6), key
             assert r["grad_err"] < 1e-5, (key, r["grad_err"])
             assert r["param_err"] < tol, (key, r["param_err"])
-            assert r["held_fraction"] == pytest.approx(0.5), key  # each rank holds half of every split layer
+            if uneven:  # the tied embedding and LM head: one loss and one lookup, split by vocabulary
+                assert r["vocab"] == [{"weight": "wte.weight", "vocab": 41, "embeddings": 1}], r["vocab"]
+            if uneven:  # attention: 2 of 3 heads' weights per rank (rank 1's second is padding); the MLP and vocabulary: half
+                assert 0.5 < r["held_fraction"] < 2 / 3, (key, r["held_fraction"])
+            else:
+                assert r["held_fraction"] == pytest.approx(0.5), key  # each rank holds half of every split layer
             for norm, ref_norm in r["norms"]:  # the global norm (slices summed over TP), and it really clipped
                 assert norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > r["clip"], (key, norm, ref_norm)
 
 
+ZERO_STAGES = (0, 1, 2, 3)  # ZeRO shards the TP slices over the DP group
+CLIP = 0.05
+
+
 def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
-    """TP=2 × DP=2 (plain, then ZeRO-1 over the DP group): each DP replica trains on its own batch; the
+    """TP=2 × DP=2 (plain, then ZeRO-1, 2 and 3 over the DP group): each DP replica trains on its own batch; the
     steps must equal one process training on both batches."""
     import dscompile
     from dscompile.zoo import build, make_batch
 
     out: dict[str, Any] = {}
-    for zero in (0, 1):
+    for zero in ZERO_STAGES:
         case, ref = build("gpt", seed=3, **CASES["gpt"]), build("gpt", seed=3, **CASES["gpt"])
-        cfg: dict[str, Any] = {"optimizer": ADAMW, "tensor_parallel": {"autotp_size": 2}, "lower": "eager"}
+        # clipped by the global norm (each rank's shards, TP slices summed over the TP group); it does clip here
+        cfg: dict[str, Any] = {"optimizer": ADAMW, "tensor_parallel": {"autotp_size": 2}, "lower": "eager", "gradient_clipping": CLIP}
         if zero:
             cfg["zero_optimization"] = {"stage": zero}
-        engine, *_ = dscompile.initialize(model=case.model, config=cfg)
+        engine, optimizer, *_ = dscompile.initialize(model=case.model, config=cfg)
         groups = engine.process_groups
         ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=ADAMW["params"]["lr"])
+        norms = []
         for step in range(2):
             batches = [make_batch(case, seed=10 * step + dp) for dp in range(groups.dp_size)]
             engine.backward(engine(*batches[groups.dp_rank]))
             engine.step()
             ref_loss = sum(ref.model(*b) for b in batches) / len(batches)
             ref_loss.backward()
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), CLIP))
+            norms.append((engine.get_global_grad_norm(), ref_norm))
             ref_opt.step()
             ref_opt.zero_grad()
         full = engine.full_parameters()
@@ -193,6 +208,8 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
             "dp_world": engine.data_parallel_world_size(),
             "zero_world": engine.zero.world if engine.zero is not None else None,
             "param_err": max(_relative(full[n], p.detach()) for n, p in ref.model.named_parameters()),
+            "same_optimizer": optimizer is engine.optimizer,
+            "norms": norms,
         }
     return out
 
@@ -202,10 +219,13 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
 @requires_backend("gloo")
 def test_tp2_times_dp2_on_4_ranks() -> None:
     results = run_distributed_or_fail(tp_times_dp, 4, timeout=600)
-    for zero in (0, 1):
+    for zero in ZERO_STAGES:
         rows = [r[zero] for r in results]
         assert [r["tp_ranks"] for r in rows] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # TP innermost
         assert [r["dp_ranks"] for r in rows] == [[0, 2], [1, 3], [0, 2], [1, 3]]
         for r in rows:
             assert r["dp_world"] == 2 and r["zero_world"] == (2 if zero else None)
             assert r["param_err"] < 1e-3, (zero, r["param_err"])  # AdamW: 1e-3 relative
+            assert r["same_optimizer"], zero  # the optimizer initialize returned is the one stepped (ZeRO moved it in place)
+            for step, (norm, ref_norm) in enumerate(r["norms"]):  # after one AdamW step: 1e-3, as the parameters
+                assert norm == pytest.approx(ref_norm, rel=1e-5 if step == 0 else 1e-3) and ref_norm > CLIP, (zero, step, norm, ref_norm)

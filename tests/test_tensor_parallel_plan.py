@@ -68,10 +68,20 @@ def test_finds_attention_and_mlp_blocks(gpt_blocks) -> None:
     assert attention.blocks[attention.columns[0].node] == 3  # the fused qkv is split part by part
 
 
-def test_heads_not_divisible_stay_whole_with_the_reason() -> None:
+def test_heads_not_divisible_are_padded() -> None:
     blocks, whole = _blocks("gpt", 4, seq_len=8, d_model=24, n_heads=6, n_layers=1, vocab_size=40)
-    assert [b.row.weight for b in blocks] == ["blocks.0.mlp.proj.weight"]  # the MLP (96 units) still splits
-    assert whole[0]["row"] == "blocks.0.attn.proj.weight" and "not divisible by TP=4" in whole[0]["reason"]
+    assert whole == []
+    units = {b.row.weight: b.units for b in blocks}
+    assert units == {"blocks.0.attn.proj.weight": 6, "blocks.0.mlp.proj.weight": 96}  # 6 heads: padded to 8 on TP=4
+
+
+def test_padded_slices_round_trip() -> None:
+    full = torch.arange(18.0).reshape(18, 1)  # a fused q, k, v of 3 heads of 2 rows each, on TP=2
+    spec = SliceSpec(dim=0, blocks=3, units=3)
+    parts = [spec.take(full, r, 2) for r in range(2)]
+    assert parts[0][:, 0].tolist() == [0, 1, 2, 3, 6, 7, 8, 9, 12, 13, 14, 15]  # heads 0 and 1 of q, k and v
+    assert parts[1][:, 0].tolist() == [4, 5, 0, 0, 10, 11, 0, 0, 16, 17, 0, 0]  # head 2, then a zero head
+    assert torch.equal(spec.assemble(parts), full)
 
 
 def test_layer_specs_override_and_refuse_contradictions(gpt_blocks) -> None:

@@ -64,24 +64,110 @@ def tp_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, group)
 
 
+def units_of_rank(units: int, rank: int, world: int) -> tuple[int, int]:
+    """``(first, count)``: the units (heads, KV groups, hidden units) of ``units`` that ``rank`` holds, balanced."""
+    base, extra = divmod(units, world)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def padded_units(units: int, world: int) -> int:
+    """Units every rank holds, padding included: the largest share."""
+    return -(-units // world)
+
+
+def _all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "max", group_name))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits whose vocabulary is split over the TP group (each rank: its columns).
+
+    Three all-reduces of ``[N]`` vectors (the row maximum, the sum of exponentials, the target's logit)
+    stand in for gathering ``[N, V]`` logits; the backward is local: ``softmax - onehot`` on this rank's columns.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Any, first: int, count: int, ignore_index: int) -> torch.Tensor:
+        x = logits.float()
+        columns = torch.arange(x.shape[-1], device=x.device)
+        if count < x.shape[-1]:  # padded vocabulary rows: no part in the softmax
+            x = x.masked_fill(columns >= count, float("-inf"))
+        row_max = _all_reduce_max(x.detach().amax(dim=-1), group)
+        shifted = x - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        valid = targets != ignore_index
+        local = targets - first
+        mine = valid & (local >= 0) & (local < count)
+        index = torch.where(mine, local, torch.zeros_like(local)).unsqueeze(-1)
+        picked = torch.where(mine, shifted.gather(-1, index).squeeze(-1), torch.zeros_like(row_max))
+        target_logit = _all_reduce(picked, group)
+        losses = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(row_max))
+        n_valid = valid.sum()
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, mine, valid, n_valid)
+        ctx.dtype = logits.dtype
+        return (losses.sum() / n_valid).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, index, mine, valid, n_valid = ctx.saved_tensors
+        g = softmax.scatter_add(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        g = g * (valid.to(softmax.dtype) * (grad.float() / n_valid)).unsqueeze(-1)
+        return g.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Any, first: int, count: int, ignore_index: int) -> torch.Tensor:
+    """``F.cross_entropy(full_logits, targets, ignore_index=...)`` (mean) from this rank's vocabulary columns
+    ``[first, first + count)`` (then padding): the same value on every rank of the group."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, first, count, ignore_index)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, group: Any, first: int, count: int) -> torch.Tensor:
+    """``F.embedding(ids, full_weight)`` from this rank's rows ``[first, first + count)``: ids outside them read
+    a zero row here; the all-reduce (``tp_reduce``) adds the one rank's row that holds each id."""
+    local = ids - first
+    outside = (local < 0) | (local >= count)
+    rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
+    return tp_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
 @dataclass(frozen=True)
 class SliceSpec:
     """How a parameter is split across the TP group: along ``dim``, in ``blocks`` equal blocks each cut in TP pieces.
 
     ``blocks`` > 1 is a fused projection (GPT-2's ``c_attn``: q, k and v side by side), whose every
-    block is split so that each rank holds its q, k and v heads.
+    block is split so that each rank holds its q, k and v heads. ``units`` > 0 is a split that TP does
+    not divide (3 heads on 2 ranks): each block is ``units`` whole units (heads, KV-head groups, hidden
+    units), rank ``r`` holds its balanced share and zeros after it, up to ``padded_units`` units, so
+    every rank's slice has one shape; the zeros are padding, dropped when the slices are assembled.
     """
 
     dim: int
     blocks: int = 1
+    units: int = 0
 
     def take(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
         pieces = full.chunk(self.blocks, dim=self.dim)
-        return torch.cat([piece.chunk(world, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+        if not self.units:
+            return torch.cat([piece.chunk(world, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+        first, count = units_of_rank(self.units, rank, world)
+        out = []
+        for piece in pieces:
+            unit = piece.shape[self.dim] // self.units
+            mine = piece.narrow(self.dim, first * unit, count * unit)
+            shape = list(piece.shape)
+            shape[self.dim] = (padded_units(self.units, world) - count) * unit
+            out += [mine, piece.new_zeros(shape)]
+        return torch.cat(out, dim=self.dim)
 
     def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's slice (rank order)."""
+        """The full tensor from every rank's slice (rank order), padding dropped."""
+        world = len(slices)
         per_rank = [s.chunk(self.blocks, dim=self.dim) for s in slices]
+        if self.units:
+            unit = per_rank[0][0].shape[self.dim] // padded_units(self.units, world)
+            per_rank = [[b.narrow(self.dim, 0, units_of_rank(self.units, r, world)[1] * unit) for b in blocks] for r, blocks in enumerate(per_rank)]
         return torch.cat([torch.cat([r[b] for r in per_rank], dim=self.dim) for b in range(self.blocks)], dim=self.dim)
 
 
@@ -153,7 +239,7 @@ class TensorParallelGradients(DataParallelGradients):
             "tensor_parallel": {
                 "tp_size": self.groups.tp_size,
                 "tp_rank": self.groups.tp_rank,
-                "slices": {n: {"dim": sp.dim, "blocks": sp.blocks} for n, sp in specs.items()},
+                "slices": {n: {"dim": sp.dim, "blocks": sp.blocks, "units": sp.units} for n, sp in specs.items()},
             },
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -217,7 +303,27 @@ class TensorParallelOver(GradientStrategy):
         self.inner.reduce(engine)
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
-        raise NotImplementedError("gradient clipping with tensor parallelism under ZeRO is not built (refused at configuration)")
+        """By the global norm: shard squares summed over the DP group, and the TP slices' also over the TP group."""
+        partition = engine.zero  # type: ignore[attr-defined]
+        specs = self._slices()
+        device = partition.shards[0].device
+        sq = torch.zeros(2, dtype=torch.float64, device=device)  # [sliced, replicated over TP]
+        for layout, shard in zip(partition.layouts, partition.shards):
+            if shard.grad is not None:
+                sq[0 if layout.name in specs else 1] += shard.grad.detach().double().pow(2).sum()
+        if partition.world > 1:
+            dist.all_reduce(sq, group=partition.group)
+        if self.groups.tp_size > 1:
+            sliced = sq[:1].clone()
+            dist.all_reduce(sliced, group=self.groups.tp_group)
+            sq[0] = sliced[0]
+        total = float(sq.sum().sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
 
     def after_optimizer_step(self, engine: EngineCore) -> None:
         self.inner.after_optimizer_step(engine)
@@ -255,5 +361,5 @@ def consolidate(reader: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, value in first["module"].items():
         spec = meta["slices"].get(name)
-        out[name] = SliceSpec(spec["dim"], spec["blocks"]).assemble([f["module"][name] for f in files]) if spec is not None else value
+        out[name] = SliceSpec(spec["dim"], spec["blocks"], spec.get("units", 0)).assemble([f["module"][name] for f in files]) if spec is not None else value
     return out

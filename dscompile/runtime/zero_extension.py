@@ -97,6 +97,20 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, partition: ZeroPartition, 
         return type(optimizer)(groups, lr=optimizer.defaults.get("lr", 1e-3))
 
 
+def take_param_groups(optimizer: torch.optim.Optimizer, sharded: torch.optim.Optimizer) -> None:
+    """``optimizer`` (without state yet) takes ``sharded``'s parameter groups: the same object now steps the shards.
+
+    For an engine that partitions after ``initialize`` returned (tensor parallelism splits the model at
+    its first batch), so that the optimizer the user holds is the one stepped.
+    """
+    if optimizer.state:
+        raise DSCompileConfigError("optimizer", "already holds state; ZeRO must partition it before the first step", "build the engine before training")
+    optimizer.param_groups.clear()
+    for group in sharded.param_groups:
+        optimizer.add_param_group(dict(group))
+    optimizer.defaults = dict(sharded.defaults)
+
+
 class ZeroGradients(GradientStrategy):
     """Flat per-rank shards: the optimizer steps them, gradients arrive reduced into them."""
 
@@ -183,21 +197,29 @@ class ZeroExtension(EngineExtension):
         self.partition: ZeroPartition | None = None
 
     def configure(self, engine: EngineCore) -> None:
-        zc = self.zc
         if engine.optimizer is not None:
             check_zero_optimizer(engine.optimizer, bool(engine.config.zero_allow_untested_optimizer))
         params_or_error(engine.module, needs_training=True)
         later = getattr(engine, "after_parameters_split", None)
         if later is not None:  # tensor parallelism reshapes the parameters at the first batch: partition its slices then
-            if zc.stage != 1:
-                raise DSCompileConfigError(
-                    "zero_optimization.stage", f"ZeRO-{zc.stage} with tensor parallelism is not built yet", "use stage 1 with tensor_parallel"
-                )
-            later.append(lambda: self._partition(engine))
+            later.append(lambda split: self._partition_split(engine, split))
             return
         self._partition(engine)
 
-    def _partition(self, engine: EngineCore) -> None:
+    def _partition_split(self, engine: EngineCore, split: nn.Module) -> nn.Module:
+        """Partition the parameters of a model split at its first batch; the module to run in its place.
+
+        ``split`` runs the model on the same ``nn.Parameter`` objects, under the same names (tensor
+        parallelism's split graph). ZeRO-2/3 run it over the shards, as ``ZeroModule`` runs the model.
+        The optimizer ``initialize`` returned is moved onto the shards in place: it is the one stepped.
+        """
+        self._partition(engine, keep_optimizer_object=True)
+        if self.zc.stage >= 2:
+            assert self.partition is not None
+            return ZeroModule(split, self.partition)
+        return split
+
+    def _partition(self, engine: EngineCore, keep_optimizer_object: bool = False) -> None:
         zc = self.zc
         params = params_or_error(engine.module, needs_training=True)
         threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
@@ -213,13 +235,17 @@ class ZeroExtension(EngineExtension):
             ignore_unused_parameters=zc.ignore_unused_parameters,
         )
         engine.zero = self.partition  # the handle checkpoints, tests and tools read
-        if zc.stage >= 2:
+        if zc.stage >= 2 and not keep_optimizer_object:
             engine.compile_target = ZeroModule(engine.module, self.partition)  # type: ignore[attr-defined]
         if engine.optimizer is not None:
             # offload_optimizer steps tiles of the shards on the host and promises bitwise equality with no
             # offload; the fused kernel rounds by the position within a tensor, so it is kept off there.
             offloaded = zc.offload_optimizer is not None and zc.offload_optimizer.enabled
-            engine.optimizer = shard_optimizer(engine.optimizer, self.partition, fuse=not offloaded)
+            sharded = shard_optimizer(engine.optimizer, self.partition, fuse=not offloaded)
+            if keep_optimizer_object and type(sharded) is type(engine.optimizer):
+                take_param_groups(engine.optimizer, sharded)
+            else:
+                engine.optimizer = sharded
             if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "optimizer"):
                 engine.lr_scheduler.optimizer = engine.optimizer
         engine.gradients = ZeroGradients(self.partition, zc.ignore_unused_parameters)
