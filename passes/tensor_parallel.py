@@ -177,6 +177,7 @@ class Block:
     sharded: dict[fx.Node, int]  # node -> its sliced dim
     blocks: dict[fx.Node, int]  # column node -> number of fused parts
     rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, new size)
+    states: dict[str, int] = field(default_factory=dict)  # buffer written in place by the block (a KV cache) -> its sliced dim
 
 
 @dataclass
@@ -278,6 +279,7 @@ class _Propagator:
         self.blocks: dict[fx.Node, int] = {}
         self.rewrites: dict[fx.Node, tuple[int, int]] = {}
         self.origin: dict[fx.Node, fx.Node] = {}  # sliced node -> the column it comes from (while its last dim is the column's)
+        self.states: dict[str, int] = {}  # buffers written in place with sliced values (inference's KV cache) -> sliced dim
 
     def seed(self, column: fx.Node) -> None:
         shape = _shape(column)
@@ -339,6 +341,12 @@ class _Propagator:
                 self._split_arg(node, in_shape[d])
             self.sharded[node] = d
         elif target is operator.getitem:
+            self.sharded[node] = d
+        elif target is aten.index_copy_.default:  # a KV-cache write: the cache buffer holds this rank's heads only
+            cache, dim, source = node.args[0], node.args[1] % len(out_shape), node.args[3]  # type: ignore[operator]
+            if source is not src or not isinstance(cache, fx.Node) or cache.op != "get_attr" or dim == d:
+                raise _Unsplittable(f"{node.name} writes sliced values into something other than a buffer's unsliced dimension")
+            self.states[str(cache.target)] = d
             self.sharded[node] = d
         elif target in (aten.slice.Tensor, aten.cat.default, aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
             dim = node.args[1] if len(node.args) > 1 else 0
@@ -476,7 +484,7 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
                     raise _Unsplittable(f"{c.weight} has {out_features} outputs, not divisible by TP={tp}")
             if last[-1] % tp:  # type: ignore[index]
                 raise _Unsplittable(f"{row.weight} has {last[-1]} inputs, not divisible by TP={tp}")  # type: ignore[index]
-            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites))
+            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, prop.states))
         except _Unsplittable as exc:
             whole.append({"row": row.weight, "columns": [c.weight for c in columns], "reason": str(exc)})
             log.warning("tensor_parallel: %s stays replicated: %s", row.weight, exc)
@@ -558,6 +566,8 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int) -> dic
                 sizes = list(node.args[1])  # type: ignore[arg-type]
                 sizes[pos] = size
                 node.args = (node.args[0], sizes, *node.args[2:])
+        for buffer, dim in b.states.items():
+            slices[buffer] = SliceSpec(dim=dim)
         row = b.row
         slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1)
         node = row.node
