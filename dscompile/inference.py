@@ -27,7 +27,7 @@ from dscompile.runtime.inference.config import InferenceConfig, parse_inference_
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
 
-FUSION_PASSES = ("fuse_shared_input_matmuls",)
+FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_inference_epilogues")
 
 
 def inference_pipeline(config: InferenceConfig) -> str:
