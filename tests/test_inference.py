@@ -71,12 +71,12 @@ def recompute_logits(model: torch.nn.Module, sequences: torch.Tensor, prompt_mas
         return model(input_ids=sequences, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
 
 
-def check_against_hf(arch: str, lower: str | None, second_request: bool = False) -> None:
+def check_against_hf(arch: str, lower: str | None, second_request: bool = False, kernel_inject: bool = False) -> None:
     model = tiny(arch)
     ids, mask = left_padded_batch()
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=64, lower=lower)
+    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=64, lower=lower, replace_with_kernel_inject=kernel_inject)
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref.sequences), (arch, out.sequences, ref.sequences)
     ours = torch.stack(out.logits, dim=1)
@@ -92,7 +92,8 @@ def check_against_hf(arch: str, lower: str | None, second_request: bool = False)
 
 @pytest.mark.slow
 def test_gpt2_greedy_matches_hf_under_inductor() -> None:
-    check_against_hf("gpt2", None)
+    """The default lowering, with the inference fusion passes on (kernel injection): the fused regions under Inductor."""
+    check_against_hf("gpt2", None, kernel_inject=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "opt"])
@@ -177,9 +178,11 @@ def test_dce_keeps_in_place_tensor_methods() -> None:
     assert counter.item() == 2
 
 
-@pytest.mark.parametrize("arch,groups", [("llama", 4), ("opt", 2)])
-def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int) -> None:
-    """Q/K/V (and a gated MLP's gate/up) found in the graph and run as one matmul: same tokens and logits as eager."""
+@pytest.mark.parametrize("arch,groups,regions", [("llama", 4, (2, 4)), ("opt", 2, (2, 5)), ("gpt2", 0, (2, 4))])
+def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int, regions: tuple[int, int]) -> None:
+    """Q/K/V (and a gated MLP's gate/up) found in the graph and run as one matmul, and the bias + activation
+    and residual + norm regions grouped (``regions``: their counts per graph, 2 layers): same tokens and
+    logits as eager."""
     model = tiny(arch)
     ids, mask = left_padded_batch()
     with torch.no_grad():
@@ -189,18 +192,23 @@ def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int) -> Non
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("dscompile.passes.inference_fusion")
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
+    loggers = [logging.getLogger(f"dscompile.passes.{name}") for name in ("inference_fusion", "inference_epilogues")]
+    old_levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         torch.testing.assert_close(engine(ids, attention_mask=mask).logits, logits, rtol=0, atol=1e-5)
         assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), ref)
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
+        for logger, level in zip(loggers, old_levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
     fused = [r.getMessage() for r in records if "sharing an input fused" in r.getMessage()]
     assert len(fused) == 3 and all(m.endswith(f": {groups} groups of linear layers sharing an input fused") for m in fused), fused
+    epilogues = [r.getMessage() for r in records if "regions fused" in r.getMessage()]
+    expected = f": {regions[0]} bias + activation and {regions[1]} residual + norm regions fused"
+    assert len(epilogues) == 3 and all(m.endswith(expected) for m in epilogues), epilogues
     assert engine.compile_counts["decode"] == 1
 
 
