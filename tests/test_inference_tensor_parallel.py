@@ -24,9 +24,10 @@ NEW = 12
 
 
 def generate_both(rank: int, world: int) -> dict[str, Any]:
+    from test_inference import left_padded_batch, tiny
+
     import dscompile
     from dscompile.errors import DSCompileConfigError
-    from test_inference import left_padded_batch, tiny
 
     out: dict[str, Any] = {}
     ids, mask = left_padded_batch()

@@ -182,6 +182,10 @@ class InferenceConfig:
             raise DSCompileConfigError("tensor_parallel.tp_size", "given with tensor_parallel.enabled false", "drop one of them")
         if self.tensor_parallel.tp_size > 1 and self.quant.weight_bits is not None:
             raise DSCompileNotSupportedError("quant", "weight-only quantization together with tensor-parallel inference (tensor_parallel.tp_size > 1)")
+        if self.tensor_parallel.tp_size > 1 and self.replace_with_kernel_inject:
+            raise DSCompileNotSupportedError(
+                "replace_with_kernel_inject", "the inference fusion passes on tensor-parallel graphs (tensor_parallel.tp_size > 1; they match torch-level ops, the split graphs are ATen)"
+            )
 
 
 def parse_dtype(value: Any) -> torch.dtype:
