@@ -22,11 +22,12 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.frontend import dscompile_backend
+from dscompile.passes.inference_tensor_parallel import TensorParallelForward, TensorParallelGraphs, TensorParallelStep
 from dscompile.runtime.inference.config import InferenceConfig, parse_inference_config
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
 
-FUSION_PASSES = ("fuse_shared_input_matmuls",)
+FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_inference_epilogues")
 
 
 def inference_pipeline(config: InferenceConfig) -> str:
@@ -74,8 +75,17 @@ class InferenceEngine(nn.Module):
         self.options: dict[str, Any] = {"pipeline": inference_pipeline(config)}
         if config.dump:
             self.options["dump"] = config.dump
-        self._forward = torch.compile(model, backend=self._backend("forward"))
+        self.tensor_parallel: TensorParallelGraphs | None = None
+        tp_size = config.tensor_parallel.tp_size if config.tensor_parallel.enabled else 1
+        if tp_size > 1:  # collective: every rank of the world builds its engine together
+            self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph)
+            self._forward: Callable[..., Any] = TensorParallelForward(self.tensor_parallel)
+        else:
+            self._forward = torch.compile(model, backend=self._backend("forward"))
         self._generator: StaticCacheGenerator | None = None
+
+    def _compile_graph(self, gm: torch.fx.GraphModule, name: str) -> Callable[..., Any]:
+        return torch.compile(gm, backend=self._backend(name), dynamic=False)
 
     def _backend(self, name: str) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
         def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -96,9 +106,16 @@ class InferenceEngine(nn.Module):
         if self._generator is None:
             if not hasattr(self.module, "generation_config") or not hasattr(self.module, "config"):
                 raise TypeError(f"generate needs a Hugging Face causal language model; {type(self.module).__name__} has no generation_config")
+            config = self.config
+            if self.tensor_parallel is not None:
+                generator = StaticCacheGenerator(self.module, config.max_out_tokens, config.min_out_tokens, None, None, self.tensor_parallel.tp_size)  # type: ignore[arg-type]
+                generator.prefill = TensorParallelStep(self.tensor_parallel, "prefill", generator.full_attention_config())
+                generator.decode = TensorParallelStep(self.tensor_parallel, "decode", generator.full_attention_config())
+                self._generator = generator
+                return generator
             prefill = torch.compile(_prefill_step(self.module), backend=self._backend("prefill"))
             decode = torch.compile(_decode_step(self.module), backend=self._backend("decode"), dynamic=False)
-            self._generator = StaticCacheGenerator(self.module, self.config.max_out_tokens, self.config.min_out_tokens, prefill, decode)
+            self._generator = StaticCacheGenerator(self.module, config.max_out_tokens, config.min_out_tokens, prefill, decode)
         return self._generator
 
     def generate(
@@ -151,7 +168,8 @@ def init_inference(model: nn.Module, config: dict[str, Any] | None = None, **kwa
 
     Keys (as keyword arguments or in ``config``; keywords win): ``dtype``, ``max_out_tokens``,
     ``min_out_tokens``, ``replace_with_kernel_inject``, ``quant``, ``tensor_parallel`` (``tp_size``
-    1 only for now), and dscompile's ``lower`` and ``dump``; DeepSpeed's other keys are refused by
+    ranks per model, launched with torchrun; ``passes/inference_tensor_parallel.py``), and dscompile's
+    ``lower`` and ``dump``; DeepSpeed's other keys are refused by
     name when set (``dscompile.runtime.inference.config``).
     """
     if not isinstance(model, nn.Module):

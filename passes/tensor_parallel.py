@@ -27,7 +27,8 @@ split by vocabulary rows, the loss becomes a parallel cross-entropy (three all-r
 vectors, no gathered logits) and an embedding tied to it a vocabulary-parallel lookup; a vocabulary TP
 does not divide is padded with rows the loss leaves out of its softmax.
 
-A block the pass cannot split (an op it does not know, a value used outside the block) stays replicated, and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
+A block the pass cannot split (an op it does not know, a value used outside the block) stays replicated,
+and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
 block can be split, the engine refuses to start. ``partition_config.layer_specs`` (DeepSpeed's regexes
 over parameter names, ``partition_type`` ``column`` / ``row`` / ``skip``) overrides the choice: ``skip``
 keeps a block replicated, ``column``/``row`` must agree with what the graph allows (else an error names
@@ -201,6 +202,7 @@ class Block:
     blocks: dict[fx.Node, int]  # column node -> number of fused parts
     rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, its full size)
     units: int  # the block's sliced sizes are multiples of this many units (heads or KV-head groups, hidden units)
+    states: dict[str, int] = field(default_factory=dict)  # buffer written in place by the block (a KV cache) -> its sliced dim
 
 
 @dataclass
@@ -301,6 +303,7 @@ class _Propagator:
         self.blocks: dict[fx.Node, int] = {}
         self.rewrites: dict[fx.Node, tuple[int, int]] = {}
         self.origin: dict[fx.Node, fx.Node] = {}  # sliced node -> the column it comes from (while its last dim is the column's)
+        self.states: dict[str, int] = {}  # buffers written in place with sliced values (inference's KV cache) -> sliced dim
 
     def seed(self, column: fx.Node) -> None:
         shape = _shape(column)
@@ -360,6 +363,12 @@ class _Propagator:
                 self._split_arg(node, in_shape[d])
             self.sharded[node] = d
         elif target is operator.getitem:
+            self.sharded[node] = d
+        elif target is aten.index_copy_.default:  # a KV-cache write: the cache buffer holds this rank's heads only
+            cache, dim, source = node.args[0], node.args[1] % len(out_shape), node.args[3]  # type: ignore[operator]
+            if source is not src or not isinstance(cache, fx.Node) or cache.op != "get_attr" or dim == d:
+                raise _Unsplittable(f"{node.name} writes sliced values into something other than a buffer's unsliced dimension")
+            self.states[str(cache.target)] = d
             self.sharded[node] = d
         elif target in (aten.slice.Tensor, aten.cat.default, aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
             dim = node.args[1] if len(node.args) > 1 else 0
@@ -510,7 +519,7 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
             if units % tp:
                 padded = padded_units(units, tp) * tp
                 log.info("tensor_parallel: %s splits %d units (heads or hidden units) over TP=%d, padded with zeros to %d", row.weight, units, tp, padded)
-            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units))
+            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units, prop.states))
         except _Unsplittable as exc:
             whole.append({"row": row.weight, "columns": [c.weight for c in columns], "reason": str(exc)})
             log.warning("tensor_parallel: %s stays replicated: %s", row.weight, exc)
@@ -704,6 +713,8 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
                 sizes = list(node.args[1])  # type: ignore[arg-type]
                 sizes[pos] = local(size)
                 node.args = (node.args[0], sizes, *node.args[2:])
+        for buffer, dim in b.states.items():
+            slices[buffer] = SliceSpec(dim=dim)
         row = b.row
         slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1, units=b.units if padded else 0)
         node = row.node

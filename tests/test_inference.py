@@ -10,7 +10,9 @@ to keep the file's compile time small.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -71,13 +73,39 @@ def recompute_logits(model: torch.nn.Module, sequences: torch.Tensor, prompt_mas
         return model(input_ids=sequences, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
 
 
-def check_against_hf(arch: str, lower: str | None, second_request: bool = False) -> None:
+@contextlib.contextmanager
+def pass_messages(*names: str) -> Iterator[list[str]]:
+    """The INFO messages of the ``dscompile.passes.<name>`` loggers while the block runs."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    loggers = [logging.getLogger(f"dscompile.passes.{name}") for name in names]
+    old_levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    messages: list[str] = []
+    try:
+        yield messages
+    finally:
+        for logger, level in zip(loggers, old_levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        messages.extend(r.getMessage() for r in records)
+
+
+def epilogue_counts(messages: list[str]) -> list[str]:
+    return [m.split(": ", 1)[1] for m in messages if "regions fused" in m]
+
+
+def check_against_hf(arch: str, lower: str | None, second_request: bool = False, kernel_inject: bool = False) -> list[str]:
     model = tiny(arch)
     ids, mask = left_padded_batch()
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=64, lower=lower)
-    out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
+    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=64, lower=lower, replace_with_kernel_inject=kernel_inject)
+    with pass_messages("inference_epilogues") as messages:
+        out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref.sequences), (arch, out.sequences, ref.sequences)
     ours = torch.stack(out.logits, dim=1)
     theirs = torch.stack(ref.logits, dim=1)
@@ -88,11 +116,15 @@ def check_against_hf(arch: str, lower: str | None, second_request: bool = False)
     if second_request:  # another prompt length: the decode graph is reused, not recompiled
         engine.generate(ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=4)
         assert engine.compile_counts["decode"] == 1, engine.compile_counts
+    return messages
 
 
 @pytest.mark.slow
 def test_gpt2_greedy_matches_hf_under_inductor() -> None:
-    check_against_hf("gpt2", None)
+    """The default lowering, with the inference fusion passes on (kernel injection): the fused regions under Inductor."""
+    messages = check_against_hf("gpt2", None, kernel_inject=True)
+    # prefill and decode graphs: GPT-2's tanh GeLU after c_fc, and each residual add with the LayerNorm after it
+    assert epilogue_counts(messages) == ["2 bias + activation and 4 residual + norm regions fused"] * 2, messages
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "opt"])
@@ -142,8 +174,12 @@ def test_lengths_and_config_refused_clearly() -> None:
         engine.generate(ids, max_new_tokens=1)
     with pytest.raises(DSCompileConfigError, match="exceed max_out_tokens=8"):
         engine.generate(ids[:, :4], max_new_tokens=5)
-    with pytest.raises(DSCompileNotSupportedError, match="tensor_parallel.tp_size.*tensor-parallel inference"):
-        dscompile.init_inference(model, tensor_parallel={"tp_size": 2})
+    with pytest.raises(DSCompileNotSupportedError, match="'quant'.*tensor-parallel inference"):
+        dscompile.init_inference(model, tensor_parallel={"tp_size": 2}, quant={"enabled": True})
+    with pytest.raises(DSCompileNotSupportedError, match="replace_with_kernel_inject"):
+        dscompile.init_inference(model, tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True)
+    with pytest.raises(DSCompileConfigError, match="tensor_parallel.tp_size.*world of 1 process"):
+        dscompile.init_inference(model, tensor_parallel={"tp_size": 2})  # one process: no TP group of 2
     with pytest.raises(DSCompileNotSupportedError, match="'mp_size'"):
         dscompile.init_inference(model, config={"mp_size": 2})
     with pytest.raises(DSCompileConfigError, match="did you mean 'max_out_tokens'"):
@@ -177,30 +213,24 @@ def test_dce_keeps_in_place_tensor_methods() -> None:
     assert counter.item() == 2
 
 
-@pytest.mark.parametrize("arch,groups", [("llama", 4), ("opt", 2)])
-def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int) -> None:
-    """Q/K/V (and a gated MLP's gate/up) found in the graph and run as one matmul: same tokens and logits as eager."""
+@pytest.mark.parametrize("arch,groups,regions", [("llama", 4, (2, 4)), ("opt", 2, (2, 5))])
+def test_kernel_inject_fuses_shared_input_matmuls(arch: str, groups: int, regions: tuple[int, int]) -> None:
+    """Q/K/V (and a gated MLP's gate/up) found in the graph and run as one matmul, and the bias + activation
+    and residual + norm regions grouped (``regions``: their counts per graph, 2 layers): same tokens and
+    logits as eager."""
     model = tiny(arch)
     ids, mask = left_padded_batch()
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         logits = model(ids, attention_mask=mask).logits
     engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=32, lower="eager", replace_with_kernel_inject=True)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("dscompile.passes.inference_fusion")
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with pass_messages("inference_fusion", "inference_epilogues") as messages:
         torch.testing.assert_close(engine(ids, attention_mask=mask).logits, logits, rtol=0, atol=1e-5)
         assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), ref)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-    fused = [r.getMessage() for r in records if "sharing an input fused" in r.getMessage()]
+    fused = [m for m in messages if "sharing an input fused" in m]
     assert len(fused) == 3 and all(m.endswith(f": {groups} groups of linear layers sharing an input fused") for m in fused), fused
+    expected = f"{regions[0]} bias + activation and {regions[1]} residual + norm regions fused"
+    assert epilogue_counts(messages) == [expected] * 3, messages  # forward, prefill, decode
     assert engine.compile_counts["decode"] == 1
 
 

@@ -5,7 +5,8 @@ Every key DeepSpeed accepts is accepted here by name (aliases included: ``kernel
 implemented or refused with ``DSCompileNotSupportedError`` naming the key when set to anything but
 its default. Built: ``dtype`` (fp32, fp16, bf16), ``replace_with_kernel_inject`` (the inference
 fusion passes), ``max_out_tokens`` / ``min_out_tokens`` (the static KV cache), ``quant.weight``
-(weight-only int8/int4, grouped, symmetric or asymmetric), ``tensor_parallel.tp_size`` 1 only.
+(weight-only int8/int4, grouped, symmetric or asymmetric), ``tensor_parallel.tp_size`` (ranks per model,
+unquantized models).
 dscompile's own keys: ``lower`` (the lowering of the prefill/decode graphs) and ``dump``.
 """
 
@@ -43,17 +44,21 @@ for _dtype, _names in {
     for _name in _names:
         _DTYPES[_name] = _dtype
 
-TP_NOT_BUILT = "tensor-parallel inference (tensor parallelism is being built in its own issue; run with tp_size 1)"
+TP_GROUPS_NOT_BUILT = "user-made tensor-parallel groups (dscompile lays out the TP groups over the world itself)"
 
 
 @dataclass
 class TensorParallelConfig:
-    """``tensor_parallel`` (alias ``tp``): only one rank per model for now."""
+    """``tensor_parallel`` (alias ``tp``): ``tp_size`` ranks per model (``passes/inference_tensor_parallel.py``)."""
 
     enabled: bool = True
-    tp_size: int = unbuilt(1, TP_NOT_BUILT)
-    mpu: Any = unbuilt(None, TP_NOT_BUILT)
-    tp_group: Any = unbuilt(None, TP_NOT_BUILT)
+    tp_size: int = 1
+    mpu: Any = unbuilt(None, TP_GROUPS_NOT_BUILT)
+    tp_group: Any = unbuilt(None, TP_GROUPS_NOT_BUILT)
+
+    def validate(self, path: str) -> None:
+        if self.tp_size < 1:
+            raise DSCompileConfigError(f"{path}.tp_size", f"must be >= 1, got {self.tp_size}")
 
 
 @dataclass
@@ -149,14 +154,14 @@ class InferenceConfig:
     max_out_tokens: int = 1024
     min_out_tokens: int = 1
     transposed_mode: bool = unbuilt(False, "transposed weight mode")
-    mp_size: int = unbuilt(1, TP_NOT_BUILT)
-    mpu: Any = unbuilt(None, TP_NOT_BUILT)
+    mp_size: int = unbuilt(1, "mp_size (deprecated in DeepSpeed; use tensor_parallel.tp_size)")
+    mpu: Any = unbuilt(None, TP_GROUPS_NOT_BUILT)
     ep_size: int = unbuilt(1, _MOE)
     ep_group: Any = unbuilt(None, _MOE)
     ep_mp_group: Any = unbuilt(None, _MOE)
     moe_experts: Any = unbuilt(None, _MOE)
     moe_type: str = unbuilt("standard", _MOE)
-    tp_grain_size: int = unbuilt(64, TP_NOT_BUILT)
+    tp_grain_size: int = unbuilt(64, "tensor-parallel grain sizes")
     # dscompile's own keys
     lower: LowerName | None = None
     dump: str | None = None
@@ -175,6 +180,13 @@ class InferenceConfig:
             raise DSCompileConfigError("min_out_tokens", f"must be between 1 and max_out_tokens ({self.max_out_tokens}), got {self.min_out_tokens}")
         if not self.tensor_parallel.enabled and self.tensor_parallel.tp_size != 1:
             raise DSCompileConfigError("tensor_parallel.tp_size", "given with tensor_parallel.enabled false", "drop one of them")
+        if self.tensor_parallel.tp_size > 1 and self.quant.weight_bits is not None:
+            raise DSCompileNotSupportedError("quant", "weight-only quantization together with tensor-parallel inference (tensor_parallel.tp_size > 1)")
+        if self.tensor_parallel.tp_size > 1 and self.replace_with_kernel_inject:
+            raise DSCompileNotSupportedError(
+                "replace_with_kernel_inject",
+                "the inference fusion passes on tensor-parallel graphs (tensor_parallel.tp_size > 1; they match torch-level ops, the split graphs are ATen)",
+            )
 
 
 def parse_dtype(value: Any) -> torch.dtype:

@@ -113,11 +113,13 @@ class StaticCacheGenerator:
     """Greedy / sampled generation for a Hugging Face causal LM with a cache of ``max_out_tokens`` slots.
 
     ``prefill`` and ``decode`` are the compiled step functions (``fn(**model_kwargs) -> logits``);
-    the generator owns the caches (one per batch size and dtype, reset between calls).
+    the generator owns the caches (one per batch size and dtype, reset between calls). Under tensor
+    parallelism (``tp_size`` ranks) each rank's cache holds its ``kv_heads / tp_size`` heads.
     """
 
-    def __init__(self, model: nn.Module, max_out_tokens: int, min_out_tokens: int, prefill: StepFn, decode: StepFn) -> None:
+    def __init__(self, model: nn.Module, max_out_tokens: int, min_out_tokens: int, prefill: StepFn, decode: StepFn, tp_size: int = 1) -> None:
         self.model = model
+        self.tp_size = tp_size
         self.max_out_tokens = max_out_tokens
         self.min_out_tokens = min_out_tokens
         self.prefill = prefill
@@ -137,7 +139,7 @@ class StaticCacheGenerator:
             # Allocated here, outside the graphs: lazily, the first (compiled) prefill would create the
             # tensors inside its graph, and the decode graph would never see them as the same state.
             heads, head_dim = kv_heads_and_dim(self.model.config)
-            cache.early_initialization(batch, heads, head_dim, dtype, device)
+            cache.early_initialization(batch, heads // self.tp_size, head_dim, dtype, device)
             self._caches[key] = cache
         else:
             cache.reset()
