@@ -391,8 +391,7 @@ ZERO_ONE_ADAM_ZERO_REFUSAL = (
     "(which restarts every rank from the previous one's parameters); ZeRO keeps one copy of the fp32 weights and "
     "momentum split over the ranks, so no rank holds the drifting replica and momentum it would step, and keeping them "
     "per rank would undo ZeRO's memory saving (its variance phase alone would shard, the local steps cannot)",
-    "use OneBitAdam or OneBitLamb with zero_optimization.stage 1 or 2 (their reduce-scatter goes 1-bit), "
-    "or ZeroOneAdam with zero_optimization.stage 0",
+    "use OneBitAdam or OneBitLamb with zero_optimization.stage 1 or 2 (their reduce-scatter goes 1-bit), or ZeroOneAdam with zero_optimization.stage 0",
 )
 """Why 0/1 Adam and ZeRO-1/2 do not compose, and what to use instead (the config check and the runtime raise it)."""
 

@@ -104,9 +104,12 @@ def _run(
     return out
 
 
+def lamb_zero2_four_rank(rank: int, world: int) -> dict:
+    """The 4-rank case (run in test_onebit_optimizers' 4-rank group: one spawn for several files)."""
+    return _run(2, rank, world, simulate=True)
+
+
 def _lamb_zero_rank(rank: int, world: int, directory: str) -> dict:
-    if world == 4:
-        return {2: _run(2, rank, world, simulate=True)}
     return {
         0: _run(0, rank, world, dump=f"{directory}/dump0"),
         1: _run(1, rank, world, simulate=True, directory=f"{directory}/stage1"),
@@ -170,10 +173,12 @@ def test_dump_prediction_equals_the_measured_bytes(two_ranks, dump, stage, optim
 
 
 def test_onebit_lamb_zero2_four_ranks():
-    ranks = run_distributed_or_fail(_lamb_zero_rank, 4, "", timeout=600)
+    from test_onebit_optimizers import suite  # its 4-rank group runs lamb_zero2_four_rank too: one spawn for both files
+
+    ranks = [r["lamb_zero2"] for r in suite(4)]
     for rank in ranks:
-        _check_against_simulation(rank[2])
-    assert all(torch.equal(ranks[0][2]["params"], r[2]["params"]) for r in ranks)
+        _check_against_simulation(rank)
+    assert all(torch.equal(ranks[0]["params"], r["params"]) for r in ranks)
 
 
 def test_dump_cli_prints_the_predicted_bytes(tmp_path, capsys):

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from test_onebit_lamb_zero import lamb_zero2_four_rank
 from test_onebit_zero import zero2_engine_rank
 
 from dscompile.runtime.onebit import CompressedLayout, OneBitAdam, OneBitLamb, ZeroOneAdam, wire_bytes
@@ -335,6 +336,7 @@ def _suite_rank(rank: int, world: int):
         "resume": [_resume_rank(rank, world, name, kwargs, first, 5) for name, kwargs, first in RESUME_CASES] if world == 2 else None,
         "dead": _dead_parameter_rank(rank, world) if world == 2 else None,
         "engine_zero2": zero2_engine_rank(rank, world) if world == 4 else None,  # tests/test_onebit_zero.py checks it
+        "lamb_zero2": lamb_zero2_four_rank(rank, world) if world == 4 else None,  # tests/test_onebit_lamb_zero.py checks it
     }
 
 
