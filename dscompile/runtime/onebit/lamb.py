@@ -303,10 +303,16 @@ class ShardedWholeParameters:
         out.comm = None
         return out
 
+    def _require_group(self) -> Collectives:
+        if self.comm is None:
+            raise RuntimeError("OneBitLamb over ZeRO shards steps before attach_shards() named the ZeRO group (the engine does it)")
+        return self.comm
+
     def local_max(self, p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Maximum of ``values`` (shaped like ``p``) over the real values this rank holds (-inf when none)."""
         if not self.sharded:
             return values.max()
+        self._require_group()
         real = values.reshape(-1)[: self.valid[id(p)]]
         return real.max() if real.numel() else values.new_full((), float("-inf"))
 
@@ -314,19 +320,18 @@ class ShardedWholeParameters:
         """``(norms of the whole tensors, maxima over the whole tensors)``."""
         if not self.sharded:
             return [torch.linalg.vector_norm(t) for t in tensors], maxima
-        if self.comm is None:
-            raise RuntimeError("OneBitLamb over ZeRO shards steps before attach_shards() named the ZeRO group (the engine does it)")
+        comm = self._require_group()
         device = tensors[0].device if tensors else maxima[0].device
         partial = torch.stack([t.float().square().sum() for t in tensors] + [m.float() for m in maxima]).to(device)
-        gathered = torch.empty(self.comm.world * partial.numel(), device=device)
-        if self.comm.world > 1:
-            self.comm.all_gather_(gathered, partial, "lamb_norms")
+        gathered = torch.empty(comm.world * partial.numel(), device=device)
+        if comm.world > 1:
+            comm.all_gather_(gathered, partial, "lamb_norms")
         else:
             gathered.copy_(partial)
-        rows = gathered.view(self.comm.world, -1)
+        rows = gathered.view(comm.world, -1)
         n = len(tensors)
         sums = rows[0, :n].clone()
-        for r in range(1, self.comm.world):
+        for r in range(1, comm.world):
             sums += rows[r, :n]
         return list(sums.sqrt()), list(rows[:, n:].amax(dim=0))
 
