@@ -5,7 +5,8 @@ Gloo ranks on this machine (default 2 and 4) train the same small GPT on a learn
 schedule (linear warm-up over the first 10%, then linear decay to 10%). ``--path engine`` (the default,
 the user's path) trains through ``dscompile.initialize``: the engine compiles the model and hands its
 gradient communication to the 1-bit optimizers, and more rows run ZeRO-1 and ZeRO-2 (``adamw_zero1``,
-``onebitadam_zero1``, ``_zero2``: the 1-bit reduce-scatter, the fp32 parameter all-gather kept). ``--path loop`` is
+``onebitadam_zero1``, ``lamb_zero1``, ``onebitlamb_zero1``, ``_zero2``: the 1-bit reduce-scatter, the fp32 parameter
+all-gather kept). ``--path loop`` is
 a plain eager loop where the 1-bit optimizers do all the communication themselves:
 
 - ``adamw``: torch's AdamW after one fp32 all-reduce of the gradients per step (the baseline);
@@ -22,8 +23,9 @@ Bytes are those each rank sends, counted from the collectives issued (ring all-r
 slow network, so every optimizer runs a second time with ``--bandwidth`` emulated: each collective
 (``--path engine``: each step) first sleeps ``bytes sent / bandwidth``. Step times on a shared CPU are noisy. Prints a table per world
 size with ratios to the baseline and the targets (>= 5x fewer bytes for 1-bit Adam, >= 26x for 0/1
-Adam, final loss within 3% of the uncompressed optimizer), and writes ``onebit.png`` (loss curves)
-and ``onebit.json``.
+Adam, momentum exchange after the freeze >= 16x fewer bytes than the fp32 all-reduce, final loss within 3% of the
+uncompressed optimizer), and writes ``onebit.png`` (loss curves; matplotlib, from the ``test`` extra),
+``onebit_curves.csv`` (the same curves) and ``onebit.json``.
 
     python bench/onebit.py [--path engine|loop] [--worlds 2,4] [--steps 200] [--bandwidth 1e6] [--out bench/out]
 """
@@ -42,7 +44,13 @@ import torch
 from dscompile.testing.distributed import run_distributed
 from dscompile.testing.onebit import Workload, entropy_floor, train_rank, train_rank_engine
 
-REFERENCE = {"onebitadam": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb", "onebitadam_zero1": "adamw_zero1", "onebitadam_zero2": "adamw_zero2"}
+REFERENCE = {
+    "onebitadam": "adamw",
+    "zerooneadam": "adamw",
+    "onebitlamb": "lamb",
+    **{f"onebitadam_zero{s}": f"adamw_zero{s}" for s in (1, 2)},
+    **{f"onebitlamb_zero{s}": f"lamb_zero{s}" for s in (1, 2)},
+}
 TARGET_RATIO = {"onebitadam": 5.0, "zerooneadam": 26.0}
 
 
@@ -80,6 +88,7 @@ def run_world(world: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.path == "engine":
         for stage in args.zero_stages:
             opts.update({f"adamw_zero{stage}": opts["adamw"], f"onebitadam_zero{stage}": opts["onebitadam"]})
+            opts.update({f"lamb_zero{stage}": opts["lamb"], f"onebitlamb_zero{stage}": opts["onebitlamb"]})
     common = dict(steps=args.steps, d_model=args.d_model, n_layers=args.layers, lr_warmup_steps=max(1, args.steps // 10), lr_final_fraction=0.1)
     works = [_workload(name, kw, **common) for name, kw in opts.items()]
     capped = [_workload(name, kw, bandwidth_bytes_per_s=args.bandwidth, **common) for name, kw in opts.items()]
@@ -129,6 +138,12 @@ def print_table(world: int, rows: dict[str, Any], bandwidth: float) -> list[str]
         if ref:
             loss_ok = row["eval_loss"] <= 1.03 * rows[ref]["eval_loss"]
             verdicts.append(f"world {world} {name}: final loss {rel} vs {ref} (target within 3%): {'ok' if loss_ok else 'MISSED'}")
+        if name == "onebitadam" and compressed:
+            exchange = warm / statistics.median(compressed)
+            verdicts.append(
+                f"world {world} {name}: momentum exchange after the freeze sends {exchange:.1f}x fewer bytes than the fp32 all-reduce "
+                f"(target >= 16x): {'ok' if exchange >= 16 else 'MISSED'}"
+            )
         if name in TARGET_RATIO:
             ok = ratio >= TARGET_RATIO[name]
             verdicts.append(f"world {world} {name}: {ratio:.1f}x fewer bytes than AdamW (target >= {TARGET_RATIO[name]:.0f}x): {'ok' if ok else 'MISSED'}")
@@ -139,7 +154,17 @@ def print_table(world: int, rows: dict[str, Any], bandwidth: float) -> list[str]
     return verdicts
 
 
+def write_curves(results: dict[int, dict[str, Any]], path: Path) -> None:
+    """The loss curves as CSV (world, optimizer, step, loss): readable without matplotlib."""
+    lines = ["world,optimizer,step,loss"]
+    for world, rows in results.items():
+        for name, row in rows.items():
+            lines += [f"{world},{name},{step + 1},{loss:.6f}" for step, loss in enumerate(row["loss_curve"])]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
+    """Loss curves side by side, one panel per world size (matplotlib: the ``test`` extra declares it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +196,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--bandwidth", type=float, default=1e6, help="emulated link, bytes per second per rank (1e6: 8 Mbit/s)")
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--zero-stages", default="1,2", help="--path engine: ZeRO stages to add AdamW and OneBitAdam rows for ('' for none)")
+    parser.add_argument("--zero-stages", default="1,2", help="--path engine: ZeRO stages to add AdamW/OneBitAdam and LAMB/OneBitLamb rows for ('' for none)")
     parser.add_argument("--out", default="bench/out", help="directory for onebit.png and onebit.json")
     args = parser.parse_args()
     args.zero_stages = [int(s) for s in args.zero_stages.split(",") if s]
@@ -184,8 +209,9 @@ def main() -> None:
     print("\ntargets:")
     print("\n".join(verdicts))
     (out / "onebit.json").write_text(json.dumps({"args": vars(args), "results": results, "verdicts": verdicts}, indent=1))
+    write_curves(results, out / "onebit_curves.csv")
     plot(results, out / "onebit.png")
-    print(f"wrote {out / 'onebit.png'} and {out / 'onebit.json'}")
+    print(f"wrote {out / 'onebit.png'}, {out / 'onebit_curves.csv'} and {out / 'onebit.json'}")
     sys.stdout.flush()
 
 

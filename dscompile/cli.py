@@ -114,6 +114,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         loss = output if isinstance(output, torch.Tensor) else next((o for o in output if isinstance(o, torch.Tensor)), None)
         if loss is not None and loss.requires_grad:
             loss.float().sum().backward()
+    _write_predicted_communication(model, config, args.world_size, out)
     steps = _step_dirs(out, args.after)
     if not steps:
         raise CLIError(f"no graph was dumped after pass {args.after!r}; passes that ran: see {out}")
@@ -143,6 +144,17 @@ def cmd_dump(args: argparse.Namespace) -> int:
         print(print_summaries(out))
     print(f"dump written to {out}", file=sys.stderr)
     return 0
+
+
+def _write_predicted_communication(model: Any, config: Any, world_size: int, out: Path) -> None:
+    """A 1-bit optimizer in the config: the bytes per step its engine would send on ``world_size`` ranks, planned from
+    the same buckets (``communication_predicted.json``, listed by ``print_summaries``)."""
+    from dscompile.runtime.onebit.predict import predict_step_bytes
+
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    prediction = predict_step_bytes(numels, world_size, config)
+    if prediction is not None:
+        (out / "communication_predicted.json").write_text(json.dumps(prediction, indent=1))
 
 
 def _describe_type(annotation: Any) -> str:
@@ -308,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--format", choices=FORMATS, default="text")
     dump.add_argument("--after", metavar="PASS", help="show the graphs after this pass ('captured' for before the first)")
     dump.add_argument("--inference", action="store_true", help="run under torch.no_grad() (forward graph only)")
+    dump.add_argument("--world-size", type=int, default=2, help="ranks to predict a 1-bit optimizer's bytes per step for (default 2)")
     dump.set_defaults(func=cmd_dump)
     passes = sub.add_parser("passes", help="list the registered passes with their options")
     passes.add_argument("--json", action="store_true")

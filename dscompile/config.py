@@ -385,27 +385,33 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
 _COMPRESSED_COMM_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 
 
+ZERO_ONE_ADAM_ZERO_REFUSAL = (
+    "ZeroOneAdam cannot step ZeRO shards: after var_freeze_step its local steps move each rank's *own* full parameters "
+    "with its own gradient and its own full momentum, so the replicas drift apart until the next synchronisation "
+    "(which restarts every rank from the previous one's parameters); ZeRO keeps one copy of the fp32 weights and "
+    "momentum split over the ranks, so no rank holds the drifting replica and momentum it would step, and keeping them "
+    "per rank would undo ZeRO's memory saving (its variance phase alone would shard, the local steps cannot)",
+    "use OneBitAdam or OneBitLamb with zero_optimization.stage 1 or 2 (their reduce-scatter goes 1-bit), or ZeroOneAdam with zero_optimization.stage 0",
+)
+"""Why 0/1 Adam and ZeRO-1/2 do not compose, and what to use instead (the config check and the runtime raise it)."""
+
+
 def _check_compressed_comm_optimizer(config: DSConfig) -> None:
     """1-bit optimizers average over every data-parallel rank: refuse the layouts they cannot serve.
 
-    OneBitAdam composes with ZeRO stages 1 and 2 (their reduce-scatter goes 1-bit); stage 3 gathers
-    inside the compiled graphs, 0/1 Adam's local steps need every rank's full momentum and 1-bit LAMB's
-    trust ratios need whole parameters, so those are refused here, before anything is built."""
+    OneBitAdam and OneBitLamb compose with ZeRO stages 1 and 2 (their reduce-scatter goes 1-bit); stage 3
+    gathers inside the compiled graphs, and 0/1 Adam's local steps step drifting full replicas that ZeRO's
+    partitioned weights and momentum cannot hold, so those are refused here, before anything is built
+    (the runtime refuses them again, with the same reasons, for an optimizer object passed in)."""
     if config.optimizer is None or config.optimizer.type.lower().replace("_", "") not in _COMPRESSED_COMM_OPTIMIZERS:
         return
     kind = config.optimizer.type.lower().replace("_", "")
     zero = config.sections.get("zero_optimization")
     stage = getattr(zero, "stage", 0) if zero is not None else 0
-    if stage > 0 and kind != "onebitadam":
-        why = (
-            "its local steps update every parameter from each rank's own full momentum, which ZeRO partitions"
-            if kind == "zerooneadam"
-            else "its trust ratios and momentum scaling need whole parameters' norms, which ZeRO's flat shards split"
-        )
+    if stage > 0 and kind == "zerooneadam":
         raise DSCompileConfigError(
             "zero_optimization.stage",
-            f"optimizer {config.optimizer.type} does not compose with ZeRO: {why}",
-            "use stage 0 with it, or OneBitAdam with ZeRO stage 1 or 2",
+            *ZERO_ONE_ADAM_ZERO_REFUSAL,
         )
     if stage > 2:
         raise DSCompileConfigError(

@@ -266,9 +266,23 @@ def print_summaries(directory: str | Path) -> str:
             f"{s['graph']:28} {summary_file.parent.name:24} {s['nodes']:>6} {s['num_collectives']:>5} "
             f"{s['flops_estimate'] / 1e6:>11.3f} {s['peak_live_bytes'] / 1e6:>9.3f} {'' if seconds is None else f'{seconds:.4f}':>8}"
         )
+    predicted = root / "communication_predicted.json"
+    if predicted.is_file():
+        lines += predicted_communication_lines(predicted)
     for comm_file in sorted(root.glob("communication_rank*.json")):
         lines += communication_lines(comm_file)
     return "\n".join(lines)
+
+
+def predicted_communication_lines(path: Path) -> list[str]:
+    """The bytes a rank would send per step and phase under a 1-bit optimizer (``dscompile dump``, no engine run)."""
+    record = json.loads(path.read_text())
+    lines = [
+        f"== predicted: {record['optimizer']} on {record['world_size']} ranks, ZeRO stage {record['zero_stage']}, bytes sent per step "
+        f"(an fp32 all-reduce sends {record['fp32_all_reduce_bytes_per_step']}) =="
+    ]
+    lines += [f"{phase:16} {sent:>12} bytes sent" for phase, sent in record["bytes_sent_per_step"].items()]
+    return lines
 
 
 def communication_lines(path: Path) -> list[str]:

@@ -10,11 +10,12 @@ import math
 
 import pytest
 import torch
+from test_onebit_lamb_zero import lamb_zero2_four_rank
 from test_onebit_zero import zero2_engine_rank
 
 from dscompile.runtime.onebit import CompressedLayout, OneBitAdam, OneBitLamb, ZeroOneAdam, wire_bytes
 from dscompile.testing.distributed import run_distributed_or_fail
-from dscompile.testing.onebit import Workload, bigram_batch, bigram_table, build_model, train_rank
+from dscompile.testing.onebit import Workload, bigram_batch, bigram_table, build_model, train_rank, train_rank_engine
 
 pytestmark = pytest.mark.distributed
 
@@ -335,6 +336,7 @@ def _suite_rank(rank: int, world: int):
         "resume": [_resume_rank(rank, world, name, kwargs, first, 5) for name, kwargs, first in RESUME_CASES] if world == 2 else None,
         "dead": _dead_parameter_rank(rank, world) if world == 2 else None,
         "engine_zero2": zero2_engine_rank(rank, world) if world == 4 else None,  # tests/test_onebit_zero.py checks it
+        "lamb_zero2": lamb_zero2_four_rank(rank, world) if world == 4 else None,  # tests/test_onebit_lamb_zero.py checks it
     }
 
 
@@ -367,12 +369,20 @@ CONVERGENCE = [
     ("zerooneadam", {"lr": 1e-2, "weight_decay": 0.01, "var_freeze_step": 20, "var_update_scaler": 1, "local_step_scaler": 20, "local_step_clipper": 16}),
     ("lamb", {"lr": 3e-2, "weight_decay": 0.01}),
     ("onebitlamb", {"lr": 3e-2, "weight_decay": 0.01, "freeze_step": 20}),
+    # through the engine with ZeRO-2: 1-bit LAMB's reduce-scatter goes 1-bit, against LAMB at the same stage
+    ("lamb_zero2", {"lr": 3e-2, "weight_decay": 0.01}),
+    ("onebitlamb_zero2", {"lr": 3e-2, "weight_decay": 0.01, "freeze_step": 20}),
 ]
 
 
 def _convergence_rank(rank: int, world: int, runs):
-    works = [Workload(name, args, steps=200, lr_warmup_steps=20, lr_final_fraction=0.1) for name, args in runs]
-    return [{k: v for k, v in train_rank(rank, world, work).items() if k != "params"} for work in works]
+    out = []
+    for name, args in runs:
+        base, _, stage = name.partition("_zero")
+        work = Workload(base, args, steps=200, lr_warmup_steps=20, lr_final_fraction=0.1, zero_stage=int(stage or 0))
+        train = train_rank_engine if stage else train_rank
+        out.append({k: v for k, v in train(rank, world, work).items() if k != "params"})
+    return out
 
 
 @pytest.mark.slow
@@ -380,7 +390,7 @@ def test_200_steps_reach_the_uncompressed_loss_within_3_percent():
     ranks = run_distributed_or_fail(_convergence_rank, 2, CONVERGENCE, timeout=900)
     final = {name: sum(r[i]["eval_loss"] for r in ranks) / len(ranks) for i, (name, _) in enumerate(CONVERGENCE)}
     assert final["adamw"] < 0.5 * math.log(64), f"the baseline did not learn: {final}"
-    for compressed, reference in [("onebitadam", "adamw"), ("zerooneadam", "adamw"), ("onebitlamb", "lamb")]:
+    for compressed, reference in [("onebitadam", "adamw"), ("zerooneadam", "adamw"), ("onebitlamb", "lamb"), ("onebitlamb_zero2", "lamb_zero2")]:
         assert final[compressed] <= 1.03 * final[reference], f"{compressed} {final[compressed]:.4f} vs {reference} {final[reference]:.4f}"
     total = {name: sum(ranks[0][i]["bytes"]) for i, (name, _) in enumerate(CONVERGENCE)}
     assert total["adamw"] / total["onebitadam"] > 7  # 20 fp32 steps + 180 at ~1/31

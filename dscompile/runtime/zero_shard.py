@@ -147,6 +147,23 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return functools.reduce(getattr, path, module), leaf
 
 
+def plan_byte_buckets(nbytes: list[int], dtypes: list[Any], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive positions grouped into buckets of at most ``bucket_bytes`` (one alone may exceed it) and one dtype:
+    the out-of-graph collectives' buckets (also what ``runtime/onebit/predict.py`` plans without a process group)."""
+    buckets: list[list[int]] = []
+    bucket: list[int] = []
+    size = 0
+    for j, (n, dtype) in enumerate(zip(nbytes, dtypes, strict=True)):
+        if bucket and (size + n > bucket_bytes or dtype != dtypes[bucket[0]]):
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(j)
+        size += n
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
 class ZeroPartition:
     """The shards of a module's parameters and the out-of-graph collectives around them.
 
@@ -237,17 +254,10 @@ class ZeroPartition:
 
     # -- collectives outside the graphs --------------------------------------------------------
     def _buckets(self, indices: Iterable[int]) -> Iterator[list[int]]:
-        bucket: list[int] = []
-        size = 0
-        for i in indices:
-            nbytes = self.layouts[i].shard_numel * self.world * self.shards[i].element_size()
-            if bucket and (size + nbytes > self.bucket_bytes or self.shards[i].dtype != self.shards[bucket[0]].dtype):
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(i)
-            size += nbytes
-        if bucket:
-            yield bucket
+        indices = list(indices)
+        sizes = [self.layouts[i].shard_numel * self.world * self.shards[i].element_size() for i in indices]
+        for bucket in plan_byte_buckets(sizes, [self.shards[i].dtype for i in indices], self.bucket_bytes):
+            yield [indices[j] for j in bucket]
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:

@@ -4,7 +4,9 @@ to one bit per value with error feedback, over any torch.distributed backend.
 - ``comm``: the compressed all-reduce (``compressed_all_reduce``, ``CompressedLayout``), the
   counted collectives (``Collectives``) and byte counters (``CommStats``);
 - ``base``: buckets, gradient averaging, the engine-facing protocol and the checkpoint share;
-- ``adam``, ``zero_one_adam``, ``lamb``: the three optimizers.
+- ``adam``, ``zero_one_adam``, ``lamb``: the three optimizers;
+- ``engine``, ``zero``: how a dscompile engine hands them its gradient communication (ZeRO-1/2 included);
+- ``predict``: the bytes per step an engine would send, planned without running one (``dscompile dump``).
 """
 
 from dscompile.runtime.onebit.adam import OneBitAdam

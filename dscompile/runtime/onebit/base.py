@@ -316,17 +316,23 @@ def check_step_count(name: str, key: str, value: Any, minimum: int) -> int:
 
 
 def _plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, world: int, block_size: int | None) -> list[Bucket]:
-    buckets: list[Bucket] = []
-    current: list[torch.nn.Parameter] = []
+    return [Bucket([params[i] for i in group], world, block_size) for group in plan_bucket_positions([p.numel() for p in params], bucket_size)]
+
+
+def plan_bucket_positions(numels: list[int], bucket_size: int) -> list[list[int]]:
+    """Consecutive parameters (by position) grouped into buckets of at most ``bucket_size`` values (one parameter alone
+    may exceed it): the optimizers' buckets, and what ``predict.py`` plans from a model's parameter sizes alone."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
     count = 0
-    for p in params:
-        if current and count + p.numel() > bucket_size:
-            buckets.append(Bucket(current, world, block_size))
+    for i, numel in enumerate(numels):
+        if current and count + numel > bucket_size:
+            buckets.append(current)
             current, count = [], 0
-        current.append(p)
-        count += p.numel()
+        current.append(i)
+        count += numel
     if current:
-        buckets.append(Bucket(current, world, block_size))
+        buckets.append(current)
     return buckets
 
 

@@ -8,7 +8,8 @@ them) installs a gradient strategy at construction:
   (``needs_averaged_gradients()``: 1-bit Adam/LAMB's warm-up, 0/1 Adam's variance steps); otherwise
   each rank keeps its own and the optimizer's step exchanges its compressed momentum (0/1 Adam's
   local steps send nothing). So there is no second, uncompressed all-reduce.
-- with ZeRO-1 or ZeRO-2 (``OneBitAdam`` only), ``OneBitZeroGradients`` (``runtime/onebit/zero.py``): the optimizer steps this rank's flat
+- with ZeRO-1 or ZeRO-2 (``OneBitAdam``, ``OneBitLamb``: its trust ratios from the shards' partial norms),
+  ``OneBitZeroGradients`` (``runtime/onebit/zero.py``): the optimizer steps this rank's flat
   shards (``over_shards``: it communicates nothing itself). In the warm-up ZeRO-1's fp32
   reduce-scatter feeds it; after the freeze a 1-bit reduce-scatter does
   (``compressed_reduce_scatter``): each rank compresses its own gradient, the momentum's per-rank
@@ -52,6 +53,7 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter
 from dscompile.runtime.comm_stats import CommStats as EngineCommStats
+from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, EngineExtension
@@ -60,6 +62,7 @@ from dscompile.runtime.onebit.comm import CommStats, wire_bytes
 from dscompile.runtime.onebit.zero import ZERO3_REFUSAL, OneBitZeroGradients
 from dscompile.runtime.onebit.zero_one_adam import ZeroOneAdam
 from dscompile.runtime.zero_extension import ZeroGradients
+from dscompile.runtime.zero_shard import check_unused_parameters
 
 log = logging.getLogger("dscompile.runtime.onebit")
 
@@ -96,16 +99,21 @@ class OneBitGradients(DataParallelGradients):
         super().__init__(module)
         optimizer.set_gradient_averaging(by_caller=True)
         self.exchange_log: list[tuple[int, bool]] = []
-        """``(bucket, during_backward)`` for the momentum exchanges started from backward in the last step."""
+        """``(bucket, during_backward)`` for the exchanges (fp32 all-reduce or the optimizer's compressed one) started
+        from backward in the last step."""
         self._hooks: list[Any] = []
         self._engine: EngineCore | None = None
         self._bucket_of = {id(p): b for b, bucket in enumerate(optimizer.buckets) for p in bucket.params}
+        self._fp32_pending: list[tuple[int, Any, torch.Tensor]] = []
+        """``(bucket, work handle, flat buffer)`` of the fp32 all-reduces started from backward, in issue order."""
         self._reset_pending(optimizer)
 
-    # -- overlap with backward (OneBitAdam: its momentum update needs one bucket's gradient only) --------------------
+    # -- overlap with backward: each bucket's exchange starts once its gradients are final ---------------------------
     def attach(self, engine: EngineCore) -> None:
-        """Start each bucket's compressed momentum exchange from backward, as soon as its gradients are final."""
-        if not hasattr(engine.optimizer, "exchange_early") or self.world_size == 1:
+        """Start each bucket's exchange from backward (post-accumulate-grad hooks), in a fixed bucket order on every
+        rank: the fp32 all-reduce of a warm-up step asynchronously (waited at the boundary), the compressed exchange of
+        an optimizer with ``exchange_early`` (1-bit Adam, 1-bit LAMB, 0/1 Adam's compressed steps) in the hook."""
+        if self.world_size == 1:
             return
         self._engine = engine
         for p in engine.optimizer.buckets:  # type: ignore[union-attr]
@@ -122,40 +130,105 @@ class OneBitGradients(DataParallelGradients):
         self._seen: set[int] = set()
         self._next = len(optimizer.buckets) - 1  # last bucket first (backward's order), the same order on every rank
         self._log_open = False
+        self._fp32_pending = []
 
     def _overlapping(self, engine: EngineCore) -> bool:
         """The coming step is a compressed one that uses these gradients unchanged: no clipping, no overflow skip."""
         optimizer = engine.optimizer
         return (
-            engine.in_engine_backward
+            hasattr(optimizer, "exchange_early")
+            and engine.in_engine_backward
             and engine.is_gradient_accumulation_boundary()
             and engine.config.gradient_clipping <= 0
             and not any(e.checks_overflow for e in engine.extensions)
             and not optimizer.needs_averaged_gradients()  # type: ignore[union-attr]
         )
 
+    def _fp32_overlapping(self, engine: EngineCore) -> bool:
+        """The coming step averages gradients in fp32 exactly as ``DataParallelGradients.reduce`` would (no
+        communication dtype, pre- or post-division options): its all-reduce may start bucket by bucket. Clipping and
+        the overflow check act on the averaged gradients after the boundary, as without overlap."""
+        config = engine.config
+        return (
+            engine.in_engine_backward
+            and engine.is_gradient_accumulation_boundary()
+            and engine.communication_data_type is None
+            and not config.prescale_gradients
+            and config.gradient_predivide_factor == 1.0
+            and engine.optimizer.needs_averaged_gradients()  # type: ignore[union-attr]
+        )
+
     @torch.no_grad()
     def _on_gradient_ready(self, p: torch.Tensor) -> None:
         engine = self._engine
-        if engine is None or id(p) in self._seen or not self._overlapping(engine):
+        if engine is None or id(p) in self._seen:
+            return
+        fp32 = self._fp32_overlapping(engine)
+        if not fp32 and not self._overlapping(engine):
             return
         self._seen.add(id(p))
         optimizer = engine.optimizer
         self._missing[self._bucket_of[id(p)]] -= 1
         while self._next >= 0 and self._missing[self._next] == 0:
-            if optimizer.exchange_early(optimizer.buckets[self._next]):  # type: ignore[union-attr]
+            if fp32:
+                self._start_fp32(engine, self._next)
+            if fp32 or optimizer.exchange_early(optimizer.buckets[self._next]):  # type: ignore[union-attr]
                 if not self._log_open:
                     self.exchange_log, self._log_open = [], True
                 self.exchange_log.append((self._next, engine.in_engine_backward))
             self._next -= 1
 
+    def _start_fp32(self, engine: EngineCore, b: int) -> None:
+        """Start bucket ``b``'s fp32 all-reduce (async): its gradients and, as ``DataParallelGradients.reduce`` sends,
+        a presence flag per parameter (a parameter no rank used keeps ``grad=None``)."""
+        params = engine.optimizer.buckets[b].params  # type: ignore[union-attr]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [present])
+        engine.comm_stats.record("data_parallel", "all_reduce", tensor_bytes(flat))
+        self._fp32_pending.append((b, dist.all_reduce(flat, group=self.group, async_op=True), flat))
+
+    def _finish_fp32(self, engine: EngineCore) -> None:
+        """Start what backward did not (same order on every rank), wait for every bucket, average, check unused."""
+        while self._next >= 0:
+            self._start_fp32(engine, self._next)
+            self._next -= 1
+        optimizer = engine.optimizer
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        params: list[nn.Parameter] = []
+        counts: list[int] = []
+        results = []
+        for b, work, flat in self._fp32_pending:
+            work.wait()
+            bucket_params = optimizer.buckets[b].params  # type: ignore[union-attr]
+            values = flat[: -len(bucket_params)]
+            values /= self.world_size
+            params += bucket_params
+            counts += [round(c) for c in flat[-len(bucket_params) :].tolist()]
+            results.append((bucket_params, values))
+        check_unused_parameters([names.get(id(p), "?") for p in params], counts, self.world_size, engine.config.sections.get("zero_optimization"))
+        used = dict(zip(map(id, params), counts))
+        for bucket_params, values in results:
+            offset = 0
+            for p in bucket_params:
+                if used[id(p)] == 0:
+                    p.grad = None
+                else:
+                    piece = values[offset : offset + p.numel()].view_as(p)
+                    p.grad = piece.clone() if p.grad is None else p.grad.copy_(piece)
+                offset += p.numel()
+
     def reduce(self, engine: EngineCore) -> None:
-        if not self._log_open:
-            self.exchange_log = []  # nothing started from backward: the optimizer's step exchanges every bucket
-        self._reset_pending(engine.optimizer)  # type: ignore[arg-type]
-        if engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
-            super().reduce(engine)
-        # otherwise every rank keeps its own gradients: the optimizer's step exchanges them 1-bit (or, 0/1 Adam's local steps, not at all)
+        try:
+            if not self._log_open:
+                self.exchange_log = []  # nothing started from backward: exchanges happen here or in the optimizer's step
+            if self._fp32_pending:
+                self._finish_fp32(engine)
+            elif engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
+                super().reduce(engine)
+            # otherwise every rank keeps its own gradients: the optimizer's step exchanges them 1-bit (or, 0/1 Adam's local steps, not at all)
+        finally:
+            self._reset_pending(engine.optimizer)  # type: ignore[arg-type]
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
         """Averaged gradients: by their norm (the same on every rank). Each rank's own gradients (after the freeze):
@@ -234,6 +307,10 @@ class OneBitExtension(EngineExtension):
             zero = engine.gradients.partition
             if zero.stage == 3:
                 raise DSCompileConfigError("zero_optimization.stage", *ZERO3_REFUSAL)
+            attach_shards = getattr(optimizer, "attach_shards", None)
+            if attach_shards is not None:  # 1-bit LAMB: whole-parameter norms from the shards' partials, over ZeRO's group
+                real = {id(s): max(0, min(lay.shard_numel, lay.numel - zero.rank * lay.shard_numel)) for s, lay in zip(zero.shards, zero.layouts)}
+                attach_shards(zero.group, real)
             strategy = OneBitZeroGradients(zero, engine.gradients.ignore_unused_parameters, optimizer.block_size, optimizer.kernel_impl)
             engine.compile_target = engine.module  # stage 2: no in-graph reduce-scatter, the 1-bit exchange replaces it
             strategy.attach(engine)

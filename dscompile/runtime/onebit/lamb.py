@@ -29,12 +29,14 @@ import torch.distributed as dist
 from dscompile.runtime.onebit.base import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BUCKET_SIZE,
+    Bucket,
     CompressedCommOptimizer,
     adam_denominator,
     bias_corrections,
     check_hyperparameters,
     check_step_count,
 )
+from dscompile.runtime.onebit.comm import Collectives, CommStats
 
 
 class OneBitLamb(CompressedCommOptimizer):
@@ -66,6 +68,7 @@ class OneBitLamb(CompressedCommOptimizer):
         block_size: int | None = DEFAULT_BLOCK_SIZE,
         kernel_impl: str | None = None,
         zero_variance_mask: bool = True,
+        local: bool = False,
     ) -> None:
         name = type(self).__name__
         betas = check_hyperparameters(name, lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
@@ -95,7 +98,49 @@ class OneBitLamb(CompressedCommOptimizer):
             kernel_impl=kernel_impl,
             zero_variance_mask=zero_variance_mask,
             name=name,
+            local=local,
         )
+        self.whole = ShardedWholeParameters.whole()
+        """Where whole-parameter norms come from: the tensors themselves, or (over ZeRO shards) every rank's partials."""
+        self._exchanged: dict[int, list[torch.Tensor]] = {}
+        """Buckets whose momentum was exchanged this step (from backward or the step), with the momenta before."""
+
+    zero_shardable = True
+
+    def over_shards(self, param_groups: list[dict[str, Any]]) -> OneBitLamb:
+        """The same 1-bit LAMB over ZeRO-1/2's flat shards, communicating no gradients itself (the engine's
+        strategy hands it averaged shard gradients: fp32 reduce-scatter in the warm-up, the 1-bit one after).
+        Its whole-parameter quantities (trust ratios' norms, the freeze's factor maxima) come from the shards'
+        partials with one small all-gather per step, once ``attach_shards`` has named the ZeRO group."""
+        if any(group.get("exp_avg_mask") is not None for group in self.param_groups):
+            from dscompile.errors import DSCompileConfigError
+
+            raise DSCompileConfigError(
+                "optimizer.exp_avg_mask", "is shaped like whole parameters, but ZeRO steps flat shards", "drop the mask or use ZeRO stage 0"
+            )
+        shards = OneBitLamb(
+            param_groups,
+            freeze_step=self.freeze_step,
+            eps_inside_sqrt=self.eps_inside_sqrt,
+            cuda_aware=self.cuda_aware,
+            comm_backend_name=self.comm_backend_name,
+            coeff_beta=self.coeff_beta,
+            factor_max=self.factor_max,
+            factor_min=self.factor_min,
+            factor_threshold=self.factor_threshold,
+            bucket_size=self.bucket_size,
+            block_size=self.block_size,
+            kernel_impl=self.kernel_impl,
+            zero_variance_mask=self.zero_variance_mask,
+            local=True,
+        )
+        shards.whole = ShardedWholeParameters.pending()
+        return shards
+
+    def attach_shards(self, group: dist.ProcessGroup | None, valid_numels: dict[int, int]) -> None:
+        """ZeRO names the group its shards are split over and how many values of each shard (by ``id``) are real
+        (the rest is padding): whole-parameter norms and maxima are then reduced over that group."""
+        self.whole = ShardedWholeParameters(group, valid_numels, self.comm.stats)
 
     def needs_averaged_gradients(self) -> bool:
         return self.global_step + 1 <= self.freeze_step
@@ -112,18 +157,26 @@ class OneBitLamb(CompressedCommOptimizer):
                 loss = closure()
         step = self.global_step + 1
         if step <= self.freeze_step:
-            for bucket in self.buckets:
-                for p, grad in zip(bucket.params, self.averaged_gradients(bucket)):
-                    self._lamb_step(p, grad, step)
+            updates = [(p, self._lamb_update(p, grad, step)) for bucket in self.buckets for p, grad in zip(bucket.params, self.averaged_gradients(bucket))]
+            n = len(updates)
+            norms, _ = self.whole.reduce([p for p, _ in updates] + [u for _, u in updates], [])
+            for i, (p, update) in enumerate(updates):
+                self._apply_lamb(p, update, norms[i], norms[n + i])
         else:
-            if "scaling_coeff" not in self.state[self.buckets[0].params[0]]:
-                self._set_momentum_scaling()
+            pieces = []
             for bucket in self.buckets:
-                self._compressed_step(bucket, step)
+                if id(bucket) not in self._exchanged:
+                    self._exchange_momentum(bucket)
+                pieces += [(p, *self._compressed_update(p, last, step)) for p, last in zip(bucket.params, self._exchanged.pop(id(bucket)))]
+            n = len(pieces)
+            norms, maxima = self.whole.reduce([prelim for _, prelim, _, _ in pieces] + [update for _, _, update, _ in pieces], [r for *_, r in pieces])
+            for i, (p, _, update, _) in enumerate(pieces):
+                self._apply_frozen(p, update, norms[i], norms[n + i], maxima[i])
         self.global_step = step
         return loss
 
-    def _lamb_step(self, p: torch.nn.Parameter, grad: torch.Tensor, step: int) -> None:
+    def _lamb_update(self, p: torch.nn.Parameter, grad: torch.Tensor, step: int) -> torch.Tensor:
+        """LAMB's moments and its update before the trust ratio."""
         group = self.group_of(p)
         state = self.state[p]
         if not state:
@@ -139,16 +192,26 @@ class OneBitLamb(CompressedCommOptimizer):
         update = state["exp_avg"] / bc1 / adam_denominator(state["exp_avg_sq"], bc2_sqrt, group["eps"], self.eps_inside_sqrt)
         if group["weight_decay"] != 0:
             update.add_(p, alpha=group["weight_decay"])
-        coeff = trust_ratio(torch.linalg.vector_norm(p), torch.linalg.vector_norm(update), group["min_coeff"], group["max_coeff"])
+        return update
+
+    def _apply_lamb(self, p: torch.nn.Parameter, update: torch.Tensor, weight_norm: torch.Tensor, update_norm: torch.Tensor) -> None:
+        group = self.group_of(p)
+        state = self.state[p]
+        coeff = trust_ratio(weight_norm, update_norm, group["min_coeff"], group["max_coeff"])
         frozen = state["lamb_coeff_freeze"]
         frozen.copy_(torch.where(coeff != 1.0, self.coeff_beta * frozen + (1 - self.coeff_beta) * coeff, frozen))
         state["last_coeff"] = coeff
         p.addcmul_(update, coeff, value=-group["lr"])
 
     def _set_momentum_scaling(self) -> None:
-        """Scale every momentum to the mean RMS of all of them, once, when compression starts."""
+        """Scale every momentum to the mean RMS of all of them, once, when compression starts (so that momenta of
+        very different magnitudes share the 1-bit scales). Over ZeRO shards the momentum is not what is compressed
+        (each rank's gradient is, in the reduce-scatter), so the factors are 1 there."""
         params = [p for b in self.buckets for p in b.params]
-        rms = torch.stack([torch.linalg.vector_norm(self.state[p]["exp_avg"]) / self.state[p]["exp_avg"].numel() ** 0.5 for p in params])
+        if self.whole.sharded:
+            rms = torch.ones(len(params), device=params[0].device)
+        else:
+            rms = torch.stack([torch.linalg.vector_norm(self.state[p]["exp_avg"]) / self.state[p]["exp_avg"].numel() ** 0.5 for p in params])
         mean_rms = rms.mean()
         for p, r in zip(params, rms):
             state = self.state[p]
@@ -157,7 +220,11 @@ class OneBitLamb(CompressedCommOptimizer):
             if "exp_avg_sq_fresh" not in state:  # loaded from a warm-up checkpoint saved before freeze_step
                 state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
 
-    def _compressed_step(self, bucket: Any, step: int) -> None:
+    def _exchange_momentum(self, bucket: Bucket) -> None:
+        """Fold this rank's gradient into the bucket's scaled momentum, replace it by its 1-bit average over the
+        ranks, unscaled; keep the momentum before (the fresh variance's gradient is reconstructed from both)."""
+        if "scaling_coeff" not in self.state[self.buckets[0].params[0]]:
+            self._set_momentum_scaling()
         previous = []
         scaled = []
         for p, grad in zip(bucket.params, self.local_gradients(bucket)):
@@ -165,34 +232,108 @@ class OneBitLamb(CompressedCommOptimizer):
             previous.append(state["exp_avg"].clone())
             state["exp_avg"].lerp_(grad, 1 - self.group_of(p)["betas"][0]).mul_(state["scaling_coeff"])
             scaled.append(state["exp_avg"])
-        averaged = self.compressed_mean(bucket, scaled, "compressed_momentum")
-        for p, exp_avg, mean, last in zip(bucket.params, scaled, averaged, previous):
-            group = self.group_of(p)
-            state = self.state[p]
-            beta1, beta2 = group["betas"]
-            bc1, bc2_frozen = bias_corrections(group, step, self.freeze_step)
-            exp_avg.copy_(mean).div_(state["scaling_coeff"])
-            self.mask_compressed(p, exp_avg, state["exp_avg_sq"], bc2_frozen)
-            grad = (exp_avg - beta1 * last) / (1 - beta1)
-            state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            _, bc2_fresh = bias_corrections(group, step, step)
-            denom = adam_denominator(state["exp_avg_sq"], bc2_frozen, group["eps"], self.eps_inside_sqrt)
-            denom_fresh = adam_denominator(state["exp_avg_sq_fresh"], bc2_fresh, group["eps"], self.eps_inside_sqrt)
-            prelim = exp_avg / bc1 / denom
-            factor = (denom / denom_fresh).max()
-            if group["weight_decay"] != 0:
-                update = prelim + group["weight_decay"] * p
-                ratio = torch.clamp(torch.linalg.vector_norm(prelim) / torch.linalg.vector_norm(update), max=1.0)
-                factor = factor * ratio + (1.0 - ratio)
-            else:
-                update = prelim
-            factor = factor.clamp(self.factor_min, self.factor_max)
-            last_factor = state["last_factor"]
-            factor = torch.minimum(torch.maximum(factor, last_factor * (1.0 - self.factor_threshold)), last_factor * (1.0 + self.factor_threshold))
-            last_factor.copy_(factor)
-            coeff = state["lamb_coeff_freeze"] * factor
-            state["last_coeff"] = coeff
-            p.addcmul_(update, coeff, value=-group["lr"])
+        for p, exp_avg, mean in zip(bucket.params, scaled, self.compressed_mean(bucket, scaled, "compressed_momentum")):
+            exp_avg.copy_(mean).div_(self.state[p]["scaling_coeff"])
+        self._exchanged[id(bucket)] = previous
+
+    @torch.no_grad()
+    def exchange_early(self, bucket: Bucket) -> bool:
+        """During backward, once ``bucket``'s gradients are final: its momentum exchange now instead of in ``step()``
+        (it needs that bucket's gradients and momenta only; the trust ratios' norms come in the step). The coming
+        ``step()`` must be a compressed one using these gradients unchanged (the caller checks). Returns whether it
+        exchanged."""
+        if self.needs_averaged_gradients() or id(bucket) in self._exchanged:
+            return False
+        self._exchange_momentum(bucket)
+        return True
+
+    def _compressed_update(self, p: torch.nn.Parameter, last: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After the exchange: the fresh variance's step, and ``(prelim, update, max frozen/fresh denominator)`` of
+        this tensor (the maximum over its real values; a whole parameter's comes from its shards' in the step)."""
+        group = self.group_of(p)
+        state = self.state[p]
+        exp_avg = state["exp_avg"]
+        beta1, beta2 = group["betas"]
+        bc1, bc2_frozen = bias_corrections(group, step, self.freeze_step)
+        self.mask_compressed(p, exp_avg, state["exp_avg_sq"], bc2_frozen)
+        grad = (exp_avg - beta1 * last) / (1 - beta1)
+        state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        _, bc2_fresh = bias_corrections(group, step, step)
+        denom = adam_denominator(state["exp_avg_sq"], bc2_frozen, group["eps"], self.eps_inside_sqrt)
+        denom_fresh = adam_denominator(state["exp_avg_sq_fresh"], bc2_fresh, group["eps"], self.eps_inside_sqrt)
+        prelim = exp_avg / bc1 / denom
+        ratio_max = self.whole.local_max(p, denom / denom_fresh)
+        update = prelim + group["weight_decay"] * p if group["weight_decay"] != 0 else prelim
+        return prelim, update, ratio_max
+
+    def _apply_frozen(self, p: torch.nn.Parameter, update: torch.Tensor, prelim_norm: torch.Tensor, update_norm: torch.Tensor, factor: torch.Tensor) -> None:
+        """The frozen coefficient scaled by the clamped frozen/fresh factor, then the step."""
+        group = self.group_of(p)
+        state = self.state[p]
+        if group["weight_decay"] != 0:
+            ratio = torch.clamp(prelim_norm / update_norm, max=1.0)
+            factor = factor * ratio + (1.0 - ratio)
+        factor = factor.clamp(self.factor_min, self.factor_max)
+        last_factor = state["last_factor"]
+        factor = torch.minimum(torch.maximum(factor, last_factor * (1.0 - self.factor_threshold)), last_factor * (1.0 + self.factor_threshold))
+        last_factor.copy_(factor)
+        coeff = state["lamb_coeff_freeze"] * factor
+        state["last_coeff"] = coeff
+        p.addcmul_(update, coeff, value=-group["lr"])
+
+
+class ShardedWholeParameters:
+    """Whole-parameter squared norms and maxima for LAMB: of the tensors themselves (no ZeRO), or, over ZeRO shards,
+    summed / maxed over the ranks' shards with one all-gather of every partial per step (the sum runs in rank
+    order on every rank, so all ranks get the same bits)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, valid_numels: dict[int, int] | None, stats: CommStats | None) -> None:
+        self.sharded = valid_numels is not None
+        self.valid = valid_numels or {}
+        self.comm = Collectives(group, stats) if self.sharded else None
+
+    @classmethod
+    def whole(cls) -> ShardedWholeParameters:
+        return cls(None, None, None)
+
+    @classmethod
+    def pending(cls) -> ShardedWholeParameters:
+        """Sharded, but not yet told the group (``OneBitLamb.attach_shards``)."""
+        out = cls(None, {}, None)
+        out.comm = None
+        return out
+
+    def _require_group(self) -> Collectives:
+        if self.comm is None:
+            raise RuntimeError("OneBitLamb over ZeRO shards steps before attach_shards() named the ZeRO group (the engine does it)")
+        return self.comm
+
+    def local_max(self, p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Maximum of ``values`` (shaped like ``p``) over the real values this rank holds (-inf when none)."""
+        if not self.sharded:
+            return values.max()
+        self._require_group()
+        real = values.reshape(-1)[: self.valid[id(p)]]
+        return real.max() if real.numel() else values.new_full((), float("-inf"))
+
+    def reduce(self, tensors: list[torch.Tensor], maxima: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(norms of the whole tensors, maxima over the whole tensors)``."""
+        if not self.sharded:
+            return [torch.linalg.vector_norm(t) for t in tensors], maxima
+        comm = self._require_group()
+        device = tensors[0].device if tensors else maxima[0].device
+        partial = torch.stack([t.float().square().sum() for t in tensors] + [m.float() for m in maxima]).to(device)
+        gathered = torch.empty(comm.world * partial.numel(), device=device)
+        if comm.world > 1:
+            comm.all_gather_(gathered, partial, "lamb_norms")
+        else:
+            gathered.copy_(partial)
+        rows = gathered.view(comm.world, -1)
+        n = len(tensors)
+        sums = rows[0, :n].clone()
+        for r in range(1, comm.world):
+            sums += rows[r, :n]
+        return list(sums.sqrt()), list(rows[:, n:].amax(dim=0))
 
 
 def trust_ratio(weight_norm: torch.Tensor, update_norm: torch.Tensor, min_coeff: float, max_coeff: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""ZeRO-1/2 under 1-bit Adam: the gradient reduce-scatter goes 1-bit after the freeze, bucket by bucket.
+"""ZeRO-1/2 under 1-bit Adam and 1-bit LAMB: the gradient reduce-scatter goes 1-bit after the freeze, bucket by bucket.
 
-The optimizer steps this rank's flat shards (``OneBitAdam.over_shards``). At each accumulation
+The optimizer steps this rank's flat shards (``OneBitAdam.over_shards``, ``OneBitLamb.over_shards``). At each accumulation
 boundary every bucket of parameters (ZeRO's out-of-graph buckets, ``reduce_bucket_size``) is
 reduce-scattered into the shards' gradients:
 
@@ -42,8 +42,9 @@ from dscompile.runtime.zero_extension import ZeroGradients
 from dscompile.runtime.zero_shard import ZeroPartition
 
 ZERO3_REFUSAL = (
-    "OneBitAdam composes with ZeRO stages 1 and 2 only: ZeRO-3 gathers parameters and reduce-scatters gradients inside the "
-    "compiled graphs, where the 1-bit exchange (with its per-rank worker errors) is not built",
+    "the 1-bit optimizers compose with ZeRO stages 1 and 2 only (OneBitAdam, OneBitLamb): ZeRO-3 gathers parameters and "
+    "reduce-scatters gradients inside the compiled graphs, where the 1-bit exchange (with its per-rank worker errors, "
+    "kept unscaled outside the graph) is not built",
     "set zero_optimization.stage to 2 or 1 (their reduce-scatter goes 1-bit after the freeze), or 0",
 )
 """Why and what to do, for ``DSCompileConfigError("zero_optimization.stage", ...)``."""

@@ -28,9 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dscompile.config import ZERO_ONE_ADAM_ZERO_REFUSAL
 from dscompile.runtime.onebit.base import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BUCKET_SIZE,
+    Bucket,
     CompressedCommOptimizer,
     adam_denominator,
     bias_corrections,
@@ -98,6 +100,14 @@ class ZeroOneAdam(CompressedCommOptimizer):
         """Per group: sum of the step sizes since the last synchronisation."""
         self.decays = [1.0] * len(self.param_groups)
         """Per group: product of the weight-decay factors since the last synchronisation."""
+        self._exchanged_early: dict[int, list[torch.Tensor]] = {}
+        """Buckets whose exchange backward started this step, with its result (averaged gradients or momentum sums)."""
+
+    def over_shards(self, param_groups: list[dict[str, Any]]) -> CompressedCommOptimizer:
+        """Refused: 0/1 Adam's local steps cannot be represented on ZeRO shards (``ZERO_ONE_ADAM_ZERO_REFUSAL`` says why)."""
+        from dscompile.errors import DSCompileConfigError
+
+        raise DSCompileConfigError("zero_optimization.stage", *ZERO_ONE_ADAM_ZERO_REFUSAL)
 
     # -- schedule ---------------------------------------------------------------------------------
     def is_variance_step(self, step: int) -> bool:
@@ -131,6 +141,8 @@ class ZeroOneAdam(CompressedCommOptimizer):
         for bucket in self.buckets:
             if variance_step:
                 grads = self.averaged_gradients(bucket)
+            elif id(bucket) in self._exchanged_early:
+                grads = self._exchanged_early.pop(id(bucket))
             else:
                 grads = self.compressed_mean(bucket, self.local_gradients(bucket), "compressed_gradient")
             for p, grad in zip(bucket.params, grads):
@@ -173,19 +185,21 @@ class ZeroOneAdam(CompressedCommOptimizer):
             self.lr_sums[i] += group["lr"] / bc1
             self.decays[i] *= 1 - group["lr"] * group["weight_decay"]
         for bucket in self.buckets:
-            for p, grad in zip(bucket.params, self.local_gradients(bucket)):
-                group = self.group_of(p)
-                state = self.state[p]
-                if group["weight_decay"] != 0:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                state["exp_avg"].lerp_(grad, 1 - group["betas"][0])
-                bc1, bc2_sqrt = bias_corrections(group, step, self.var_updates)
-                p.addcdiv_(state["exp_avg"], self._denominator(p, bc2_sqrt), value=-(group["lr"] / bc1))
-                state["momentum_accumulator"].add_(state["exp_avg"], alpha=group["lr"] / bc1)
-            if not sync:
-                continue
-            sums = [self.state[p]["momentum_accumulator"] for p in bucket.params]
-            for p, averaged in zip(bucket.params, self.compressed_mean(bucket, sums, "compressed_momentum")):
+            if id(bucket) in self._exchanged_early:  # a sync step whose exchange backward started
+                averaged_sums = self._exchanged_early.pop(id(bucket))
+            else:
+                for p, grad in zip(bucket.params, self.local_gradients(bucket)):
+                    group = self.group_of(p)
+                    state = self.state[p]
+                    if group["weight_decay"] != 0:
+                        p.mul_(1 - group["lr"] * group["weight_decay"])  # a sync step overwrites p from the anchor below
+                    self._fold_gradient(p, grad, step)
+                    bc1, bc2_sqrt = bias_corrections(group, step, self.var_updates)
+                    p.addcdiv_(state["exp_avg"], self._denominator(p, bc2_sqrt), value=-(group["lr"] / bc1))
+                if not sync:
+                    continue
+                averaged_sums = self.compressed_mean(bucket, [self.state[p]["momentum_accumulator"] for p in bucket.params], "compressed_momentum")
+            for p, averaged in zip(bucket.params, averaged_sums):
                 group = self.group_of(p)
                 state = self.state[p]
                 gi = group_index[id(group)]
@@ -205,6 +219,34 @@ class ZeroOneAdam(CompressedCommOptimizer):
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
+
+    def _fold_gradient(self, p: torch.nn.Parameter, grad: torch.Tensor, step: int) -> None:
+        """A local-phase step's momentum update and its share of the interval's ``sum(step_size x momentum)``."""
+        group = self.group_of(p)
+        state = self.state[p]
+        state["exp_avg"].lerp_(grad, 1 - group["betas"][0])
+        bc1, _ = bias_corrections(group, step, self.var_updates)
+        state["momentum_accumulator"].add_(state["exp_avg"], alpha=group["lr"] / bc1)
+
+    @torch.no_grad()
+    def exchange_early(self, bucket: Bucket) -> bool:
+        """During backward, once ``bucket``'s gradients are final: its compressed exchange now instead of in ``step()``.
+        Before the variance freezes, a non-variance step's 1-bit gradient average; after it, a sync step's momentum
+        update and the 1-bit average of the interval's momentum sum (the local update of the parameters, which the
+        sync overwrites from the anchor, is skipped: bitwise the same result). Variance steps (fp32, the caller's) and
+        local steps (nothing to send) return False. The coming ``step()`` must use these gradients unchanged (the
+        caller checks: no clipping, no overflow skip)."""
+        step = self.global_step + 1
+        if id(bucket) in self._exchanged_early or self.needs_averaged_gradients() or (self.var_frozen and not self.is_sync_step(step)):
+            return False
+        if not self.var_frozen:
+            self._exchanged_early[id(bucket)] = self.compressed_mean(bucket, self.local_gradients(bucket), "compressed_gradient")
+            return True
+        for p, grad in zip(bucket.params, self.local_gradients(bucket)):
+            self._fold_gradient(p, grad, step)
+        sums = [self.state[p]["momentum_accumulator"] for p in bucket.params]
+        self._exchanged_early[id(bucket)] = self.compressed_mean(bucket, sums, "compressed_momentum")
+        return True
 
     def _state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         state = self.state[p]
