@@ -136,11 +136,15 @@ class TensorParallelGraphs:
         gm = capture(module, args, kwargs or {})
         blocks, whole = find_blocks(gm, self.tp_size)
         blocks = apply_layer_specs(blocks, whole, PartitionConfig(), [n for n, _ in module.named_parameters()])
-        padded = [b.row.weight for b in blocks if b.units % self.tp_size]
+        padded = [(b.row.weight, b.units) for b in blocks if b.units % self.tp_size]
         if whole or not blocks or padded:
             reasons = "; ".join(
                 [f"{w['row']}: {w['reason']}" for w in whole]
-                + [f"{w}: its heads or hidden units would need padding, which inference's sliced KV cache does not take yet" for w in padded]
+                + [
+                    f"{w}: {units} heads or hidden units, not divisible by TP={self.tp_size} (training pads them; the sliced KV cache "
+                    "of inference takes no padding yet)"
+                    for w, units in padded
+                ]
             ) or "no linear adds to a residual stream"
             raise DSCompileConfigError(
                 "tensor_parallel.tp_size",
