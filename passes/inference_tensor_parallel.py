@@ -151,7 +151,7 @@ class TensorParallelGraphs:
                 f"{type(self.model).__name__} cannot be split across {self.tp_size} ranks for inference ({reasons})",
                 "use a tp_size that divides the attention heads, the key/value heads and the hidden sizes",
             )
-        slices = rewrite(gm, blocks, self.group_name, self.tp_size)
+        slices = rewrite(gm, blocks, self.group_name, self.tp_size, self.groups.tp_rank)
         params = {n[len(prefix) :]: s for n, s in slices.items() if n.startswith(prefix)}
         if self.slices is None:
             with torch.no_grad():
