@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.planner import OffloadPlan, PlannedParameter, plan_optimizer_offload
+from dscompile.planner import OffloadPlan, ParamPlan, PlannedParameter, plan_optimizer_offload, plan_param_offload
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 
 log = logging.getLogger("dscompile.passes.offload")
@@ -80,6 +80,46 @@ class OffloadOptimizerConfig:
             raise DSCompileNotSupportedError(f"{path}.super_offload", "SuperOffload (superchip CPU/GPU optimizer split)")
         if self.cpuadam_cores_perc is not None and not 0.0 < float(self.cpuadam_cores_perc) <= 1.0:
             raise DSCompileConfigError(f"{path}.cpuadam_cores_perc", f"must be in (0, 1], got {self.cpuadam_cores_perc}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device in ("cpu", "nvme")
+
+
+@dataclass
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (DeepSpeed 0.19's keys and defaults; ZeRO stage 3 only).
+
+    ``device``: none | cpu | nvme. ``nvme_path``: the directory (it must exist); each rank writes
+    ``nvme_path/rank_N/param_*.swp``, one file per partitioned shard. ``pin_memory``: pins the host copies
+    and read buffers when CUDA exists. ``buffer_count``: how many shards are read ahead of their all-gather
+    (the planner's prefetch distance). ``buffer_size`` and ``max_in_cpu`` (elements) cap the read-ahead
+    window: the planner lowers the distance until the largest shards in flight fit in ``buffer_count x
+    buffer_size`` and in ``max_in_cpu`` (one shard is always read). Read buffers are sized to each shard,
+    so there is no fixed pool of ``buffer_size`` buffers.
+    """
+
+    device: str | None = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int | float = 100_000_000
+    max_in_cpu: int | float = 1_000_000_000
+
+    def validate(self, path: str) -> None:
+        if self.device is None:
+            self.device = "none"
+        if self.device not in ("none", "cpu", "nvme"):
+            raise DSCompileConfigError(f"{path}.device", f"must be none, cpu or nvme, got {self.device!r}")
+        if self.device == "nvme" and not self.nvme_path:
+            raise DSCompileConfigError(f"{path}.nvme_path", "is required with device nvme", "set it to a directory on the fast disk")
+        if not isinstance(self.buffer_count, int) or self.buffer_count < 1:
+            raise DSCompileConfigError(f"{path}.buffer_count", f"must be a whole number >= 1, got {self.buffer_count!r}")
+        for key in ("buffer_size", "max_in_cpu"):
+            value = getattr(self, key)
+            if value != int(value) or value < 1:
+                raise DSCompileConfigError(f"{path}.{key}", f"must be a whole number of elements >= 1, got {value}")
+            setattr(self, key, int(value))
 
     @property
     def enabled(self) -> bool:
@@ -162,6 +202,8 @@ class OptimizerOffload(EngineExtension):
             preallocate_states=not oc.fast_init,
             host_threads=host_threads_from_fraction(oc.cpuadam_cores_perc),
             verify_reads=bool(self.config.debug),
+            # offload_param releases the shards' storage between uses: the host masters must be copies
+            separate_master=self.zc.offload_param is not None and self.zc.offload_param.enabled,
             **aio_settings(self.config),
         )
         chosen = [shards[name] for name in self.plan.offloaded_names]
@@ -179,3 +221,117 @@ def _offload_extension(config: Any) -> EngineExtension | None:
     if zc is None or zc.stage == 0 or zc.offload_optimizer is None or not zc.offload_optimizer.enabled:
         return None
     return OptimizerOffload(zc, config)
+
+
+class ParamOffload(EngineExtension):
+    """ZeRO-3 parameter shards on the host or in NVMe files (``offload_param``), read before their all-gather."""
+
+    name = "zero_offload_param"
+
+    def __init__(self, zc: Any, config: Any) -> None:
+        self.zc = zc
+        self.config = config
+        self.store: Any = None
+        self.plan: ParamPlan | None = None
+        self._whole_step = False
+
+    def configure(self, engine: EngineCore) -> None:
+        from dscompile.runtime.offload.params import ParamOffloadSettings, ParamStore
+        from dscompile.runtime.zero_extension import ZeroGradients
+        from dscompile.runtime.zero_shard import ZeroModule
+
+        zero = engine.zero
+        target = getattr(engine, "compile_target", None)
+        if zero is None or zero.stage != 3 or not isinstance(target, ZeroModule):
+            raise DSCompileConfigError("zero_optimization.offload_param", "needs ZeRO stage 3 (partitioned parameters)", "set zero_optimization.stage to 3")
+        op = self.zc.offload_param
+        self.plan = plan_param_offload(
+            [PlannedParameter(layout.name, layout.numel, layout.shard_numel, layout.persistent) for layout in zero.layouts],
+            world=zero.world,
+            device=op.device,
+            bytes_per_element=zero.shards[0].element_size(),
+            buffer_count=op.buffer_count,
+            buffer_size=op.buffer_size,
+            max_in_cpu=op.max_in_cpu,
+        )
+        if zero.rank == 0:
+            log.info("%s", self.plan.table())
+            if engine.config.dump:
+                root = Path(engine.config.dump)
+                root.mkdir(parents=True, exist_ok=True)
+                (root / "param_offload_plan.txt").write_text(self.plan.table() + "\n")
+        names = set(self.plan.offloaded_names)
+        indices = [i for i, layout in enumerate(zero.layouts) if layout.name in names]
+        aio = aio_settings(self.config)
+        settings = ParamOffloadSettings(
+            device=op.device,
+            nvme_path=op.nvme_path,
+            pin_memory=op.pin_memory,
+            prefetch_distance=self.plan.prefetch_distance,
+            block_size=aio["block_size"],
+            io_threads=aio["io_threads"],
+            verify_reads=bool(self.config.debug),
+        )
+        self.store = ParamStore(zero.shards, indices, settings, rank=zero.rank)
+        target.offloaded_shards = {i: self.store.id for i in indices}
+        offloaded_optimizer = engine.extension("zero_offload")
+        if offloaded_optimizer is not None and getattr(offloaded_optimizer, "optimizer", None) is not None:
+            offloaded_optimizer.optimizer.residency = self.store.resident  # tile by tile
+        else:
+            self._whole_step = True
+        engine.gradients = _ResidentForCheckpoints(engine.gradients, self.store) if isinstance(engine.gradients, ZeroGradients) else engine.gradients
+
+    def before_optimizer_step(self, engine: EngineCore, params: list[Any]) -> None:
+        if self._whole_step:
+            self._step_context = self.store.resident()
+            self._step_context.__enter__()
+
+    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+        context = getattr(self, "_step_context", None)
+        if context is not None:
+            self._step_context = None
+            context.__exit__(None, None, None)
+        self.store.end_step()
+
+    def counters(self) -> dict[str, Any]:
+        return self.store.counters() if self.store is not None else {}
+
+    def destroy(self, engine: EngineCore) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def _resident_for_checkpoints(cls: type) -> type:
+    """``ZeroGradients`` whose shard-reading calls (full parameters, checkpoints) see resident shards."""
+
+    class ResidentForCheckpoints(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, inner: Any, store: Any) -> None:
+            self.__dict__.update(inner.__dict__)
+            self._store = store
+
+        def full_parameters(self) -> dict[str, Any]:
+            with self._store.resident():
+                return super().full_parameters()
+
+        def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+            with self._store.resident():
+                super().save_checkpoint(engine, ckpt, client_state)
+
+        def load_checkpoint(self, engine: EngineCore, directory: Path, *args: Any) -> dict | None:
+            with self._store.resident():
+                return super().load_checkpoint(engine, directory, *args)
+
+    return ResidentForCheckpoints
+
+
+def _ResidentForCheckpoints(inner: Any, store: Any) -> Any:  # noqa: N802 - builds an instance of the class above
+    return _resident_for_checkpoints(type(inner))(inner, store)
+
+
+@register_engine_extension(12, "zero_offload_param")
+def _param_offload_extension(config: Any) -> EngineExtension | None:
+    """After ZeRO (order 10) partitioned the model and optimizer offload (11) wrapped the optimizer."""
+    zc = getattr(config, "sections", {}).get("zero_optimization")
+    if zc is None or zc.offload_param is None or not zc.offload_param.enabled:
+        return None
+    return ParamOffload(zc, config)

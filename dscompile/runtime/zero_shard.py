@@ -517,15 +517,20 @@ class ZeroModule(nn.Module):
         self._plan = [(layout.name, layout.persistent, list(layout.shape), layout.numel) for layout in partition.layouts]
         self._group = partition.group_name
         self.collectives_up_front = False
+        # ZeRO-3 parameter offload (``passes/offload.py``): shard index -> parameter store id; those shards
+        # are read through ``zero_param_load`` (the host or NVMe copy) right before their gather.
+        self.offloaded_shards: dict[int, int] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors: dict[str, torch.Tensor] = {}
-        for (name, persistent, shape, numel), shard in zip(self._plan, self.zero_shards):
+        for i, ((name, persistent, shape, numel), shard) in enumerate(zip(self._plan, self.zero_shards)):
             if persistent:
                 owner, leaf = _owner(self.module, name)
                 tensors[name] = torch.ops.dscompile.zero_use(shard, getattr(owner, leaf), self._group)
             else:
-                tensors[name] = torch.ops.dscompile.zero_gather(shard, shape, numel, self._group)
+                store = self.offloaded_shards.get(i)
+                source = shard if store is None else torch.ops.dscompile.zero_param_load(shard, store, i)
+                tensors[name] = torch.ops.dscompile.zero_gather(source, shape, numel, self._group)
         if self.collectives_up_front:
             torch._dynamo.graph_break()
         return torch.func.functional_call(self.module, tensors, args, kwargs)
