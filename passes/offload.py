@@ -233,11 +233,9 @@ class ParamOffload(EngineExtension):
         self.config = config
         self.store: Any = None
         self.plan: ParamPlan | None = None
-        self._whole_step = False
 
     def configure(self, engine: EngineCore) -> None:
         from dscompile.runtime.offload.params import ParamOffloadSettings, ParamStore
-        from dscompile.runtime.zero_extension import ZeroGradients
         from dscompile.runtime.zero_shard import ZeroModule
 
         zero = engine.zero
@@ -277,20 +275,11 @@ class ParamOffload(EngineExtension):
         offloaded_optimizer = engine.extension("zero_offload")
         if offloaded_optimizer is not None and getattr(offloaded_optimizer, "optimizer", None) is not None:
             offloaded_optimizer.optimizer.residency = self.store.resident  # tile by tile
-        else:
-            self._whole_step = True
-        engine.gradients = _ResidentForCheckpoints(engine.gradients, self.store) if isinstance(engine.gradients, ZeroGradients) else engine.gradients
-
-    def before_optimizer_step(self, engine: EngineCore, params: list[Any]) -> None:
-        if self._whole_step:
-            self._step_context = self.store.resident()
-            self._step_context.__enter__()
+        elif engine.optimizer is not None:
+            engine.optimizer.step = _shard_by_shard(engine.optimizer, self.store)
+        zero.residency = self.store.resident  # full parameters and checkpoints read and write the shards' values
 
     def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
-        context = getattr(self, "_step_context", None)
-        if context is not None:
-            self._step_context = None
-            context.__exit__(None, None, None)
         self.store.end_step()
 
     def counters(self) -> dict[str, Any]:
@@ -301,31 +290,35 @@ class ParamOffload(EngineExtension):
             self.store.close()
 
 
-def _resident_for_checkpoints(cls: type) -> type:
-    """``ZeroGradients`` whose shard-reading calls (full parameters, checkpoints) see resident shards."""
+def _shard_by_shard(optimizer: Any, store: Any) -> Any:
+    """``optimizer.step`` that steps the resident tensors together, then each offloaded shard on its own while it is
+    resident (read, stepped, written back, released), so at most one offloaded shard is in memory at the step.
+    Equal bit for bit to one step over all: ZeRO's optimizers update each tensor on its own (``zero_extension``)."""
+    inner_step = optimizer.step
+    offloaded = {id(store.shards[i]): i for i in store.indices}
 
-    class ResidentForCheckpoints(cls):  # type: ignore[misc, valid-type]
-        def __init__(self, inner: Any, store: Any) -> None:
-            self.__dict__.update(inner.__dict__)
-            self._store = store
+    def step(closure: Any = None) -> Any:
+        groups = optimizer.param_groups
+        full = [list(g["params"]) for g in groups]
+        try:
+            for g, params in zip(groups, full, strict=True):
+                g["params"] = [p for p in params if id(p) not in offloaded]
+            loss = inner_step(closure)
+            for gi, params in enumerate(full):
+                for p in params:
+                    if id(p) not in offloaded or p.grad is None:
+                        continue
+                    for g in groups:
+                        g["params"] = []
+                    groups[gi]["params"] = [p]
+                    with store.resident([offloaded[id(p)]]):
+                        inner_step()
+        finally:
+            for g, params in zip(groups, full, strict=True):
+                g["params"] = params
+        return loss
 
-        def full_parameters(self) -> dict[str, Any]:
-            with self._store.resident():
-                return super().full_parameters()
-
-        def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
-            with self._store.resident():
-                super().save_checkpoint(engine, ckpt, client_state)
-
-        def load_checkpoint(self, engine: EngineCore, directory: Path, *args: Any) -> dict | None:
-            with self._store.resident():
-                return super().load_checkpoint(engine, directory, *args)
-
-    return ResidentForCheckpoints
-
-
-def _ResidentForCheckpoints(inner: Any, store: Any) -> Any:  # noqa: N802 - builds an instance of the class above
-    return _resident_for_checkpoints(type(inner))(inner, store)
+    return step
 
 
 @register_engine_extension(12, "zero_offload_param")

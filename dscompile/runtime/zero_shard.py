@@ -168,6 +168,9 @@ class ZeroPartition:
         self.bucket_bytes = max(1, min(int(bucket_bytes), OUT_OF_GRAPH_BUCKET_CAP))
         # dtype of ZeRO-1's gradient reduce-scatter (``communication_data_type``); None: the gradients' own.
         self.comm_dtype: torch.dtype | None = None
+        # offload_param (``runtime/offload/params.py``): makes offloaded shards' values resident for code that reads
+        # or writes them outside the graphs (full state, checkpoints); None: shards are always resident.
+        self.residency: Callable[[], contextlib.AbstractContextManager[None]] | None = None
         aliases: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -206,6 +209,10 @@ class ZeroPartition:
             for p in module.parameters():  # frozen parameters built under zero.Init are not partitioned: gather them
                 if id(p) not in partitioned and is_sharded(p) and p.numel() != p.ds_numel:
                     p.data = gather_sharded(p)
+
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """Every shard holds its value inside (offloaded ones are read back, and written back on exit)."""
+        return self.residency() if self.residency is not None else contextlib.nullcontext()
 
     # -- names ---------------------------------------------------------------------------------
     def named_shards(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -326,21 +333,23 @@ class ZeroPartition:
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (gathered from the shards), under its first name."""
         result: dict[str, torch.Tensor] = {}
-        for layout, shard in zip(self.layouts, self.shards):
-            full = self._all_gather(shard.detach().reshape(-1))[: layout.numel]
-            result[layout.name] = full.view(layout.shape).clone()
+        with self.resident():
+            for layout, shard in zip(self.layouts, self.shards):
+                full = self._all_gather(shard.detach().reshape(-1))[: layout.numel]
+                result[layout.name] = full.view(layout.shape).clone()
         return result
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set shards (and persistent full copies) from full parameter values."""
-        for layout, shard, p in zip(self.layouts, self.shards, self.full_params):
-            value = _lookup(state, layout)
-            if tuple(value.shape) != layout.shape:
-                raise DSCompileError(f"ZeRO: parameter {layout.name} has shape {tuple(value.shape)} in the state, {layout.shape} in the model")
-            shard.copy_(shard_of(value.to(shard.dtype), self.rank, self.world))
-            if layout.persistent:
-                p.data.copy_(value.to(p.dtype))
+        with self.resident():
+            for layout, shard, p in zip(self.layouts, self.shards, self.full_params):
+                value = _lookup(state, layout)
+                if tuple(value.shape) != layout.shape:
+                    raise DSCompileError(f"ZeRO: parameter {layout.name} has shape {tuple(value.shape)} in the state, {layout.shape} in the model")
+                shard.copy_(shard_of(value.to(shard.dtype), self.rank, self.world))
+                if layout.persistent:
+                    p.data.copy_(value.to(p.dtype))
 
     def zero_grad(self) -> None:
         for shard in self.shards:

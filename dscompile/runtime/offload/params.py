@@ -75,7 +75,7 @@ class ParamStore:
             if not settings.nvme_path:
                 from dscompile.errors import DSCompileConfigError
 
-                raise DSCompileConfigError("zero_optimization.offload_param.nvme_path", "is required with device nvme", "set it to a directory on the fast disk")
+                raise DSCompileConfigError("zero_optimization.offload_param.nvme_path", "is required with device nvme", "set it to a fast disk directory")
             self.swap = SwapDirectory(settings.nvme_path, rank, block_size=settings.block_size, threads=settings.io_threads, verify=settings.verify_reads)
             for path in sorted(self.swap.root.glob("param_*.swp")):  # an earlier run's shards: never read again
                 path.unlink(missing_ok=True)
