@@ -248,3 +248,29 @@ def test_planner_places_shards_and_sizes_read_ahead() -> None:
     assert plan_param_offload(params, 2, "nvme", buffer_count=5, buffer_size=1000, max_in_cpu=600).prefetch_distance == 1
     assert plan_param_offload(params, 2, "cpu", buffer_count=1).prefetch_distance == 1
     assert "read ahead 2 shard(s)" in plan.table() and "nvme" in plan.table()
+
+
+def test_cli_plan_and_dump_list_the_parameter_shards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dscompile.cli import main
+
+    config = tmp_path / "ds.json"
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}}
+    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}))
+    assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config), "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "parameter offload plan: ZeRO-3, world 2, offload_param.device=nvme, read ahead" in out
+    rows = [line for line in out.splitlines() if " nvme " in line]
+    assert rows and all("read ahead of its all-gather" in line for line in rows)
+    zero["offload_optimizer"] = {"device": "cpu"}
+    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}))
+    assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "parameter offload plan" in out and "offload plan: ZeRO-3" in out
+    from test_zero import _case, _config
+
+    torch.manual_seed(0)
+    dump = tmp_path / "dump"
+    cfg = _config(3, 1, 0.0, {"offload_param": {"device": "cpu"}}, dump=str(dump))
+    dscompile.initialize(model=_case("gpt").model, config=cfg)
+    table = (dump / "param_offload_plan.txt").read_text()
+    assert "offload_param.device=cpu" in table and "wte.weight" in table and " host " in table
