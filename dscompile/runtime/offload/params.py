@@ -12,8 +12,8 @@ The authoritative copy lives in a host tensor (``device: cpu``, pinned when aske
   in; afterwards every load issues the reads of the next ``prefetch_distance`` shards of that order, and
   the end of each step reads the first ones ahead of the next forward.
 - Around the optimizer step, checkpoints and ``full_parameters`` the shards are made resident
-  (``resident``): storage restored, value read back; on exit the (possibly updated) value is written back
-  and the storage released again. Read-ahead buffers are dropped before that, so no read crosses a write.
+  (``resident``): the shard's data becomes the read buffer (or the host copy); on exit that buffer is
+  written back and the shard holds no storage again. Read-ahead buffers are dropped before that, so no read crosses a write.
   With ``offload_optimizer`` the step does this tile by tile (``OffloadedOptimizer.residency``).
 """
 
@@ -64,6 +64,7 @@ class ParamStore:
         self.settings = settings
         self.swap: SwapDirectory | None = None
         self.host: dict[int, torch.Tensor] = {}
+        self.released: dict[int, torch.Tensor] = {}
         self.order: list[int] = []
         self.recording = True
         self.cursor = 0
@@ -89,6 +90,7 @@ class ParamStore:
                 host.copy_(shard.detach())
                 self.host[i] = host
             _release(shard)
+            self.released[i] = shard.data  # the shape with no storage: what the shard holds while offloaded
         self.id = id(self)
         zero_ops.PARAM_SOURCES[self.id] = self
 
@@ -193,15 +195,27 @@ class ParamStore:
     # -- residency around the step and checkpoints ----------------------------------------------------
     @contextlib.contextmanager
     def resident(self, indices: Iterable[int] | None = None) -> Iterator[None]:
-        """Shards ``indices`` (default: all offloaded) hold their value inside; written back and released on exit."""
+        """Shards ``indices`` (default: all offloaded) hold their value inside; written back and released on exit.
+
+        No copy where it can be avoided: for nvme the shard's data becomes the read buffer itself (the step
+        updates it in place and the same buffer is written back); for cpu on a host-only run, the host copy itself.
+        """
         self._drop_prefetches()
-        wanted = [i for i in (self.indices if indices is None else indices) if i in set(self.indices) and _is_released(self.shards[i])]
+        offloaded = set(self.indices)
+        wanted = [i for i in (self.indices if indices is None else indices) if i in offloaded and _is_released(self.shards[i])]
+        buffers: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for i in wanted:
                 shard = self.shards[i]
-                value = self.read_value(i) if self.swap is not None else self.host[i]
-                shard.data.untyped_storage().resize_(self._nbytes(i))
-                shard.data.copy_(value)  # through .data: the version counter (the optimizer's staleness check) is untouched
+                if self.swap is not None:
+                    buf, fut = self._start_read(i)
+                    self.swap.wait(fut)
+                    buffers[i] = buf
+                    value = self._value(i, buf)
+                else:
+                    value = self.host[i]
+                # ``.data =`` keeps the parameter object and its version counter (the optimizer's staleness check)
+                shard.data = value if value.device == shard.device else value.to(shard.device)
         try:
             yield
         finally:
@@ -209,10 +223,10 @@ class ParamStore:
                 for i in wanted:
                     shard = self.shards[i]
                     if self.swap is not None:
-                        self._write(i, shard.data)
-                    else:
+                        self.swap.wait(self.swap.write(self.file_name(i), buffers[i]))
+                    elif shard.data.data_ptr() != self.host[i].data_ptr():
                         self.host[i].copy_(shard.data)
-                    _release(shard)
+                    shard.data = self.released[i]
 
     def counters(self) -> dict[str, int]:
         return {
