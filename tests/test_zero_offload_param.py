@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_zero import assert_params_close, reference_run
 from test_zero_offload import STEPS, TILE, _train
 
 import dscompile
@@ -107,7 +108,7 @@ def _assert_bitwise(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
 
 @pytest.mark.distributed
 @requires_backend("gloo")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_param_offload_is_bitwise_lossless(tmp_path: Path, precision: str) -> None:
     results = run_distributed_or_fail(param_matrix_rank, 2, precision, str(tmp_path), "eager", timeout=300)
     for rank, runs in enumerate(results):
@@ -128,6 +129,12 @@ def test_param_offload_is_bitwise_lossless(tmp_path: Path, precision: str) -> No
             assert got["file_bytes"] == got["expected_file_bytes"] == got["shard_payload"] > 0
             # after the first step the reads run ahead of the graphs: nearly every load finds its read started
             assert got["counters"]["param_prefetch_hits"] >= len(got["order"]) * (STEPS - 2), got["counters"]
+    if precision == "fp32":  # and equal to plain single-process PyTorch over both ranks' batches
+        reference = reference_run("gpt", 2, 1, CLIP, steps=STEPS)
+        mean = [(a + b) / 2 for a, b in zip(results[0]["nvme+opt_nvme"]["losses"], results[1]["nvme+opt_nvme"]["losses"], strict=True)]
+        torch.testing.assert_close(torch.tensor(mean), torch.tensor(reference["losses"]), rtol=1e-6, atol=1e-7)
+        for name, value in reference["params"].items():
+            assert_params_close(results[0]["nvme+opt_nvme"]["params"][name], value, name, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -236,8 +243,17 @@ def test_offload_param_needs_stage_3() -> None:
 
 def test_missing_param_nvme_path_names_it(tmp_path: Path) -> None:
     missing = tmp_path / "not_there"
-    with pytest.raises(SwapError, match=str(missing)):
+    with pytest.raises(SwapError, match=f"{missing}.*offload_param.nvme_path"):
         _engine({"device": "nvme", "nvme_path": str(missing)}, None)
+
+
+def test_vanished_param_file_names_it(tmp_path: Path) -> None:
+    engine, case = _engine({"device": "nvme", "nvme_path": str(tmp_path)}, None)
+    _train(engine, case, 0, 1)
+    victim = sorted((tmp_path / "rank_0").glob("param_*.swp"))[-1]
+    victim.unlink()
+    with pytest.raises(SwapError, match=f"{victim}.*the offloaded parameter shards in it are lost"):
+        _train(engine, case, 0, 1)
 
 
 def test_planner_places_shards_and_sizes_read_ahead() -> None:

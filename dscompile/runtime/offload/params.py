@@ -77,7 +77,10 @@ class ParamStore:
                 from dscompile.errors import DSCompileConfigError
 
                 raise DSCompileConfigError("zero_optimization.offload_param.nvme_path", "is required with device nvme", "set it to a fast disk directory")
-            self.swap = SwapDirectory(settings.nvme_path, rank, block_size=settings.block_size, threads=settings.io_threads, verify=settings.verify_reads)
+            self.swap = SwapDirectory(
+                settings.nvme_path, rank, block_size=settings.block_size, threads=settings.io_threads, verify=settings.verify_reads,
+                key="zero_optimization.offload_param", contents="parameter shards",
+            )
             for path in sorted(self.swap.root.glob("param_*.swp")):  # an earlier run's shards: never read again
                 path.unlink(missing_ok=True)
         pin = settings.pin_memory and torch.cuda.is_available()
