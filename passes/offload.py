@@ -1,4 +1,9 @@
-"""ZeRO-Offload / ZeRO-Infinity for the optimizer: the ``offload_optimizer`` config and its engine extension.
+"""ZeRO-Offload / ZeRO-Infinity: the ``offload_optimizer`` and ``offload_param`` configs and their engine extensions.
+
+``offload_param`` (``OffloadParamConfig``, ZeRO-3 only) is at the end: ``ParamOffload`` moves the partitioned
+parameter shards into ``runtime/offload/params.ParamStore`` (host or NVMe) and has ``ZeroModule`` read them
+through ``zero_param_load`` right before their all-gather; the planner (``plan_param_offload``) sets the
+read-ahead distance.
 
 ``zero_optimization.offload_optimizer`` (DeepSpeed's keys and defaults) moves the fp32 master shards and
 the optimizer states of ZeRO stages 1-3 to the host (``device: cpu``) or to swap files under
