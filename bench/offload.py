@@ -6,6 +6,8 @@ and AdamW for every peer; each peer runs in its own spawn of ranks (so memory is
 - ``dscompile-none`` / ``dscompile-cpu`` / ``dscompile-nvme``: ``dscompile.initialize`` with ZeRO
   (``--stage``, default 2) and ``offload_optimizer.device`` none / cpu / nvme (swap files under
   ``--nvme-path``, tiles of ``--tile`` elements, ``--buffers`` tile buffers).
+- ``dscompile-param`` / ``dscompile-infinity`` (``--stage 3`` only): ``offload_param.device`` nvme (the ZeRO-3
+  parameter shards in swap files, read ahead of their all-gather), alone / with ``offload_optimizer`` nvme too.
 - ``fsdp2`` / ``fsdp2-cpuoffload``: ``fully_shard`` per block and the root, the second with
   ``CPUOffloadPolicy`` (FSDP2's ZeRO-Offload peer).
 - ``deepspeed-cpu`` / ``deepspeed-nvme``: DeepSpeed's own offload, only where ``deepspeed`` imports
@@ -40,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import alternate, median_spread, ratio_cell, resident_bytes, timed_steps  # noqa: E402  (bench/harness.py)
 from zero import _batches, _case  # noqa: E402  (bench/zero.py: the same model and data)
 
-PEERS = ["dscompile-none", "dscompile-cpu", "dscompile-nvme", "fsdp2", "fsdp2-cpuoffload", "deepspeed-cpu", "deepspeed-nvme"]
+PEERS = [
+    "dscompile-none", "dscompile-cpu", "dscompile-nvme", "dscompile-param", "dscompile-infinity",
+    "fsdp2", "fsdp2-cpuoffload", "deepspeed-cpu", "deepspeed-nvme",
+]
 LR = 1e-4
 
 
@@ -61,7 +66,10 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
     model = case.model
     family, device = peer.split("-", 1) if "-" in peer else (peer, "none")
     if family in ("dscompile", "deepspeed"):
-        zero = {"stage": args["stage"], "sub_group_size": args["tile"], "offload_optimizer": _offload_section(device, args, nvme_dir)}
+        optimizer_device = {"param": "none", "infinity": "nvme"}.get(device, device)
+        zero = {"stage": args["stage"], "sub_group_size": args["tile"], "offload_optimizer": _offload_section(optimizer_device, args, nvme_dir)}
+        if device in ("param", "infinity"):
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args["buffers"]}
         config = {"train_micro_batch_size_per_gpu": args["batch"], "optimizer": _adamw(), "zero_optimization": zero}
         if family == "dscompile":
             import dscompile
@@ -69,7 +77,11 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
             config["lower"] = args["lower"]
             engine, _, _, _ = dscompile.initialize(model=model, config=config)
             extension = engine.extension("zero_offload")
-            swap = (lambda: engine.optimizer.swap_file_bytes()) if extension is not None and extension.optimizer is not None else (lambda: 0)
+            params_ext = engine.extension("zero_offload_param")
+
+            def swap() -> int:
+                states = engine.optimizer.expected_swap_bytes() if extension is not None and extension.optimizer is not None else 0
+                return states + (params_ext.store.file_bytes() if params_ext is not None else 0)
         else:
             import deepspeed
 
@@ -153,6 +165,9 @@ def main() -> None:
     for world in (int(w) for w in opts.worlds.split(",")):
 
         def run_peer(peer: str, round_index: int, world: int = world) -> dict[str, Any] | None:
+            if peer in ("dscompile-param", "dscompile-infinity") and opts.stage != 3:
+                print(f"world {world} {peer}: skipped: offload_param needs --stage 3", flush=True)
+                return None
             if peer.startswith("deepspeed"):
                 try:
                     import deepspeed  # noqa: F401

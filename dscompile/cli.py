@@ -215,15 +215,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from dscompile.config import load_config
-    from dscompile.planner import plan_optimizer_offload, zero_parameters
+    from dscompile.planner import plan_optimizer_offload, plan_param_offload, zero_parameters
     from dscompile.runtime.offload.optimizer import state_bytes_per_element
     from dscompile.runtime.optimizers import build_optimizer
 
     model, _ = _call_factory(load_target(args.target), args.target)
     config = load_config(args.config)
     zc = config.sections.get("zero_optimization")
-    if zc is None or zc.stage == 0 or zc.offload_optimizer is None or not zc.offload_optimizer.enabled:
-        raise CLIError(f"{args.config}: nothing to plan; set zero_optimization.stage (1-3) and zero_optimization.offload_optimizer.device (cpu or nvme)")
+    optimizer_offload = zc is not None and zc.stage > 0 and zc.offload_optimizer is not None and zc.offload_optimizer.enabled
+    param_offload = zc is not None and zc.offload_param is not None and zc.offload_param.enabled
+    if not optimizer_offload and not param_offload:
+        raise CLIError(
+            f"{args.config}: nothing to plan; set zero_optimization.stage (1-3) and zero_optimization.offload_optimizer.device "
+            "(cpu or nvme), or stage 3 and offload_param.device"
+        )
     if args.world < 1:
         raise CLIError(f"--world must be >= 1, got {args.world}")
     named = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
@@ -231,6 +236,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.target}: the model has no trainable parameters")
     threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
     params = zero_parameters(named, zc.stage, args.world, threshold, zc.stage3_model_persistence_threshold if zc.stage == 3 else None)
+    if param_offload:
+        op = zc.offload_param
+        print(plan_param_offload(params, args.world, op.device, 4, op.buffer_count, op.buffer_size, op.max_in_cpu).table())
+        if not optimizer_offload:
+            return 0
     if config.optimizer is not None:
         probe = torch.nn.Parameter(torch.zeros(1))
         per_element = state_bytes_per_element(build_optimizer(config.optimizer, [probe]))
@@ -336,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     compress.set_defaults(func=cmd_compress)
     plan = sub.add_parser("plan", help="print where each model state would live (device, host, NVMe) under a config's offload settings")
     plan.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory returning (model, example_inputs)")
-    plan.add_argument("--config", required=True, help="a ds_config.json with zero_optimization.offload_optimizer")
+    plan.add_argument("--config", required=True, help="a ds_config.json with zero_optimization.offload_optimizer and/or offload_param")
     plan.add_argument("--world", type=int, default=1, help="data-parallel ranks to plan for (default 1)")
     plan.set_defaults(func=cmd_plan)
     gen = sub.add_parser("generate", help="generate tokens with init_inference (static KV cache, compiled decode) and print tokens/s")

@@ -10,8 +10,13 @@ offload). Without a limit it offloads what the user asked (``ratio`` of the stat
 as a table (``dscompile plan``, the engine's log): per parameter its bytes, where its states live and
 when they move, and the predicted peak of model states per device.
 
-What it does not model yet: activations and temporary buffers (the cost model's job), and
-parameter offload (``offload_param`` is refused).
+``plan_param_offload`` places ZeRO-3's parameter shards (``zero_optimization.offload_param``): every
+partitioned shard goes to the host or NVMe (persistent, kept-whole parameters stay on the device), and
+it sets the read-ahead distance (how many shards are read ahead of their all-gather, in the order the
+graphs use them) from ``buffer_count``, capped so the shards in flight stay within ``buffer_count x
+buffer_size`` and ``max_in_cpu`` elements (at least one shard is always read).
+
+What it does not model yet: activations and temporary buffers (the cost model's job).
 """
 
 from __future__ import annotations
@@ -166,3 +171,67 @@ def zero_parameters(
             kept += numel if full else 0
         params.append(PlannedParameter(name, numel, -(-numel // world) if numel else 0, full))
     return params
+
+
+@dataclass
+class ParamPlan:
+    """Where each ZeRO-3 parameter shard lives, and how far ahead of its gather it is read."""
+
+    device: str  # "cpu" or "nvme"
+    world: int
+    rows: list[PlanRow] = field(default_factory=list)
+    prefetch_distance: int = 1
+    window_elements: int = 0  # the cap on elements read ahead (buffer_count x buffer_size, max_in_cpu)
+
+    @property
+    def offloaded_names(self) -> list[str]:
+        return [r.name for r in self.rows if r.placement != "device"]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(r.state_bytes for r in self.rows if r.placement != "device")
+
+    def table(self) -> str:
+        width = max([len("tensor")] + [len(r.name) for r in self.rows]) + 2
+        lines = [
+            f"parameter offload plan: ZeRO-3, world {self.world}, offload_param.device={self.device}, "
+            f"read ahead {self.prefetch_distance} shard(s) (window {self.window_elements} elements)",
+            f"{'tensor':<{width}}{'shard bytes':>22}  {'placement':<10} when it moves",
+        ]
+        for r in self.rows:
+            lines.append(f"{r.name:<{width}}{r.state_bytes:>22}  {r.placement:<10} {r.moves}")
+        lines.append(f"parameter shards offloaded per rank: {_mib(self.offloaded_bytes)}")
+        return "\n".join(lines)
+
+
+def plan_param_offload(
+    params: list[PlannedParameter],
+    world: int,
+    device: str,
+    bytes_per_element: int = FP32,
+    buffer_count: int = 5,
+    buffer_size: int = 100_000_000,
+    max_in_cpu: int = 1_000_000_000,
+) -> ParamPlan:
+    """Place every partitioned (not kept-whole) ZeRO-3 shard on ``device`` and size the read-ahead window."""
+    window = max(1, min(int(buffer_count) * int(buffer_size), int(max_in_cpu)))
+    plan = ParamPlan(device=device, world=world, window_elements=window)
+    placement = "host" if device == "cpu" else "nvme"
+    moves = {
+        "cpu": "host→device copy before its all-gather (forward and backward); device→host after the step",
+        "nvme": "read ahead of its all-gather (forward and backward), freed after it; written back after the step",
+    }[device]
+    shards = []
+    for p in params:
+        nbytes = bytes_per_element * p.shard_numel
+        if p.full_copy or p.shard_numel == 0:
+            plan.rows.append(PlanRow(p.name, nbytes, "device", "kept whole on every rank (persistent)"))
+        else:
+            plan.rows.append(PlanRow(p.name, nbytes, placement, moves))
+            shards.append(p.shard_numel)
+    largest = sorted(shards, reverse=True)
+    distance = 0
+    while distance < min(int(buffer_count), len(largest)) and sum(largest[: distance + 1]) <= window:
+        distance += 1
+    plan.prefetch_distance = max(1, distance)
+    return plan

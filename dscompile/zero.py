@@ -73,8 +73,7 @@ class Init:
             zero = load_config(source).sections.get("zero_optimization")  # validates the whole config
             if zero is not None:
                 override_apply = zero.override_module_apply
-                if zero.offload_param is not None:
-                    remote_device = zero.offload_param.get("device", remote_device)
+                # offload_param: the engine moves the shards cut here to the host or NVMe at construction
         if remote_device not in (None, "none", get_accelerator().device_name()):
             raise DSCompileNotSupportedError(f"zero.Init(remote_device={remote_device!r})", "ZeRO-Infinity parameter offload")
         group = data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group

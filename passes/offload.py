@@ -1,4 +1,9 @@
-"""ZeRO-Offload / ZeRO-Infinity for the optimizer: the ``offload_optimizer`` config and its engine extension.
+"""ZeRO-Offload / ZeRO-Infinity: the ``offload_optimizer`` and ``offload_param`` configs and their engine extensions.
+
+``offload_param`` (``OffloadParamConfig``, ZeRO-3 only) is at the end: ``ParamOffload`` moves the partitioned
+parameter shards into ``runtime/offload/params.ParamStore`` (host or NVMe) and has ``ZeroModule`` read them
+through ``zero_param_load`` right before their all-gather; the planner (``plan_param_offload``) sets the
+read-ahead distance.
 
 ``zero_optimization.offload_optimizer`` (DeepSpeed's keys and defaults) moves the fp32 master shards and
 the optimizer states of ZeRO stages 1-3 to the host (``device: cpu``) or to swap files under
@@ -44,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.planner import OffloadPlan, PlannedParameter, plan_optimizer_offload
+from dscompile.planner import OffloadPlan, ParamPlan, PlannedParameter, plan_optimizer_offload, plan_param_offload
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 
 log = logging.getLogger("dscompile.passes.offload")
@@ -80,6 +85,46 @@ class OffloadOptimizerConfig:
             raise DSCompileNotSupportedError(f"{path}.super_offload", "SuperOffload (superchip CPU/GPU optimizer split)")
         if self.cpuadam_cores_perc is not None and not 0.0 < float(self.cpuadam_cores_perc) <= 1.0:
             raise DSCompileConfigError(f"{path}.cpuadam_cores_perc", f"must be in (0, 1], got {self.cpuadam_cores_perc}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device in ("cpu", "nvme")
+
+
+@dataclass
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (DeepSpeed 0.19's keys and defaults; ZeRO stage 3 only).
+
+    ``device``: none | cpu | nvme. ``nvme_path``: the directory (it must exist); each rank writes
+    ``nvme_path/rank_N/param_*.swp``, one file per partitioned shard. ``pin_memory``: pins the host copies
+    and read buffers when CUDA exists. ``buffer_count``: how many shards are read ahead of their all-gather
+    (the planner's prefetch distance). ``buffer_size`` and ``max_in_cpu`` (elements) cap the read-ahead
+    window: the planner lowers the distance until the largest shards in flight fit in ``buffer_count x
+    buffer_size`` and in ``max_in_cpu`` (one shard is always read). Read buffers are sized to each shard,
+    so there is no fixed pool of ``buffer_size`` buffers.
+    """
+
+    device: str | None = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int | float = 100_000_000
+    max_in_cpu: int | float = 1_000_000_000
+
+    def validate(self, path: str) -> None:
+        if self.device is None:
+            self.device = "none"
+        if self.device not in ("none", "cpu", "nvme"):
+            raise DSCompileConfigError(f"{path}.device", f"must be none, cpu or nvme, got {self.device!r}")
+        if self.device == "nvme" and not self.nvme_path:
+            raise DSCompileConfigError(f"{path}.nvme_path", "is required with device nvme", "set it to a directory on the fast disk")
+        if not isinstance(self.buffer_count, int) or self.buffer_count < 1:
+            raise DSCompileConfigError(f"{path}.buffer_count", f"must be a whole number >= 1, got {self.buffer_count!r}")
+        for key in ("buffer_size", "max_in_cpu"):
+            value = getattr(self, key)
+            if value != int(value) or value < 1:
+                raise DSCompileConfigError(f"{path}.{key}", f"must be a whole number of elements >= 1, got {value}")
+            setattr(self, key, int(value))
 
     @property
     def enabled(self) -> bool:
@@ -162,6 +207,8 @@ class OptimizerOffload(EngineExtension):
             preallocate_states=not oc.fast_init,
             host_threads=host_threads_from_fraction(oc.cpuadam_cores_perc),
             verify_reads=bool(self.config.debug),
+            # offload_param releases the shards' storage between uses: the host masters must be copies
+            separate_master=self.zc.offload_param is not None and self.zc.offload_param.enabled,
             **aio_settings(self.config),
         )
         chosen = [shards[name] for name in self.plan.offloaded_names]
@@ -179,3 +226,110 @@ def _offload_extension(config: Any) -> EngineExtension | None:
     if zc is None or zc.stage == 0 or zc.offload_optimizer is None or not zc.offload_optimizer.enabled:
         return None
     return OptimizerOffload(zc, config)
+
+
+class ParamOffload(EngineExtension):
+    """ZeRO-3 parameter shards on the host or in NVMe files (``offload_param``), read before their all-gather."""
+
+    name = "zero_offload_param"
+
+    def __init__(self, zc: Any, config: Any) -> None:
+        self.zc = zc
+        self.config = config
+        self.store: Any = None
+        self.plan: ParamPlan | None = None
+
+    def configure(self, engine: EngineCore) -> None:
+        from dscompile.runtime.offload.params import ParamOffloadSettings, ParamStore
+        from dscompile.runtime.zero_shard import ZeroModule
+
+        zero = engine.zero
+        target = getattr(engine, "compile_target", None)
+        if zero is None or zero.stage != 3 or not isinstance(target, ZeroModule):
+            raise DSCompileConfigError("zero_optimization.offload_param", "needs ZeRO stage 3 (partitioned parameters)", "set zero_optimization.stage to 3")
+        op = self.zc.offload_param
+        self.plan = plan_param_offload(
+            [PlannedParameter(layout.name, layout.numel, layout.shard_numel, layout.persistent) for layout in zero.layouts],
+            world=zero.world,
+            device=op.device,
+            bytes_per_element=zero.shards[0].element_size(),
+            buffer_count=op.buffer_count,
+            buffer_size=op.buffer_size,
+            max_in_cpu=op.max_in_cpu,
+        )
+        if zero.rank == 0:
+            log.info("%s", self.plan.table())
+            if engine.config.dump:
+                root = Path(engine.config.dump)
+                root.mkdir(parents=True, exist_ok=True)
+                (root / "param_offload_plan.txt").write_text(self.plan.table() + "\n")
+        names = set(self.plan.offloaded_names)
+        indices = [i for i, layout in enumerate(zero.layouts) if layout.name in names]
+        aio = aio_settings(self.config)
+        settings = ParamOffloadSettings(
+            device=op.device,
+            nvme_path=op.nvme_path,
+            pin_memory=op.pin_memory,
+            prefetch_distance=self.plan.prefetch_distance,
+            block_size=aio["block_size"],
+            io_threads=aio["io_threads"],
+            verify_reads=bool(self.config.debug),
+        )
+        self.store = ParamStore(zero.shards, indices, settings, rank=zero.rank)
+        target.offloaded_shards = {i: self.store.id for i in indices}
+        offloaded_optimizer = engine.extension("zero_offload")
+        if offloaded_optimizer is not None and getattr(offloaded_optimizer, "optimizer", None) is not None:
+            offloaded_optimizer.optimizer.residency = self.store.resident  # tile by tile
+        elif engine.optimizer is not None:
+            engine.optimizer.step = _shard_by_shard(engine.optimizer, self.store)
+        zero.residency = self.store.resident  # full parameters and checkpoints read and write the shards' values
+
+    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+        self.store.end_step()
+
+    def counters(self) -> dict[str, Any]:
+        return self.store.counters() if self.store is not None else {}
+
+    def destroy(self, engine: EngineCore) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def _shard_by_shard(optimizer: Any, store: Any) -> Any:
+    """``optimizer.step`` that steps the resident tensors together, then each offloaded shard on its own while it is
+    resident (read, stepped, written back, released), so at most one offloaded shard is in memory at the step.
+    Equal bit for bit to one step over all: ZeRO's optimizers update each tensor on its own (``zero_extension``)."""
+    inner_step = optimizer.step
+    offloaded = {id(store.shards[i]): i for i in store.indices}
+
+    def step(closure: Any = None) -> Any:
+        groups = optimizer.param_groups
+        full = [list(g["params"]) for g in groups]
+        try:
+            for g, params in zip(groups, full, strict=True):
+                g["params"] = [p for p in params if id(p) not in offloaded]
+            loss = inner_step(closure)
+            for gi, params in enumerate(full):
+                for p in params:
+                    if id(p) not in offloaded or p.grad is None:
+                        continue
+                    for g in groups:
+                        g["params"] = []
+                    groups[gi]["params"] = [p]
+                    with store.resident([offloaded[id(p)]]):
+                        inner_step()
+        finally:
+            for g, params in zip(groups, full, strict=True):
+                g["params"] = params
+        return loss
+
+    return step
+
+
+@register_engine_extension(12, "zero_offload_param")
+def _param_offload_extension(config: Any) -> EngineExtension | None:
+    """After ZeRO (order 10) partitioned the model and optimizer offload (11) wrapped the optimizer."""
+    zc = getattr(config, "sections", {}).get("zero_optimization")
+    if zc is None or zc.offload_param is None or not zc.offload_param.enabled:
+        return None
+    return ParamOffload(zc, config)

@@ -31,9 +31,9 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dscompile.config import parse_dataclass, register_section, unbuilt
-from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, node_value, set_fake_value
-from dscompile.passes.offload import OffloadOptimizerConfig
+from dscompile.passes.offload import OffloadOptimizerConfig, OffloadParamConfig
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 from dscompile.runtime import zero_ops
 from dscompile.runtime.engine_core import register_engine_extension
@@ -81,8 +81,9 @@ class ZeroConfig:
     in NVMe swap files; ``cpu_offload: true`` and ``cpu_offload_use_pin_memory`` are its old spellings)
     works with stages 1-3, and then ``sub_group_size`` is the NVMe swap tile in elements;
     ``offload_memory_limit`` (dscompile's own, bytes per rank, 0 = none) lets the planner offload only
-    what does not fit.
-    ``offload_param``, ZeRO++, ZenFlow and MiCS are refused.
+    what does not fit. ``offload_param`` (stage 3 only; ``passes/offload.py``) keeps the ZeRO-3
+    parameter shards on the host or in NVMe swap files, read just before their all-gather.
+    ZeRO++, ZenFlow and MiCS are refused.
     """
 
     stage: int = 0
@@ -106,7 +107,7 @@ class ZeroConfig:
     ignore_unused_parameters: bool = True
     memory_efficient_linear: bool = True
     offload_optimizer: OffloadOptimizerConfig | None = None
-    offload_param: dict | None = None
+    offload_param: OffloadParamConfig | None = None
     cpu_offload: bool | None = False
     zero_hpz_partition_size: int = 1
     zero_quantized_weights: bool = False
@@ -157,13 +158,10 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if getattr(self, key) <= 0:
                 raise DSCompileConfigError(f"{path}.{key}", "must be positive")
-        key = "offload_param"
-        for sub in self.offload_param or {}:
-            if sub not in _OFFLOAD_PARAM_KEYS:
-                hint = suggest(sub, _OFFLOAD_PARAM_KEYS) or f"valid keys: {', '.join(_OFFLOAD_PARAM_KEYS)}"
-                raise DSCompileConfigError(f"{path}.{key}.{sub}", "unknown key", hint)
-        if self.offload_param is not None and self.offload_param.get("device", "none") not in ("none", None):
-            raise DSCompileNotSupportedError(f"{path}.{key}", "ZeRO-Infinity parameter offload (offload_param; offload_optimizer works)")
+        if self.offload_param is not None and self.offload_param.enabled and self.stage != 3:
+            raise DSCompileConfigError(
+                f"{path}.offload_param", f"offloads ZeRO-3's parameter shards, and stage is {self.stage} (DeepSpeed also needs stage 3)", "set stage to 3"
+            )
         if self.cpu_offload:  # DeepSpeed's old spelling of offload_optimizer.device = cpu
             if self.offload_optimizer is not None and self.offload_optimizer.device != "cpu":
                 raise DSCompileConfigError(f"{path}.cpu_offload", f"contradicts offload_optimizer.device={self.offload_optimizer.device}", "keep one of them")
@@ -206,9 +204,6 @@ class ZeroConfig:
     def enabled(self) -> bool:
         return self.stage > 0
 
-
-# DeepSpeed 0.19's keys of ``offload_param`` (checked while it is off; switching it on is refused).
-_OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
 
 # DeepSpeed's field names, accepted beside the ``stage3_`` spellings its documentation uses.
 _STAGE3_ALIASES = {
@@ -351,6 +346,10 @@ def _mark_recompute(gm: torch.fx.GraphModule, options: ZeroPassOptions) -> None:
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if node in keep else CheckpointPolicy.MUST_RECOMPUTE
         ds_meta(node)["recomputable"] = node not in keep
         ds_meta(node)["zero_unsharded"] = node in keep
+    for node in gm.graph.nodes:  # offload_param: a shard read from the host/NVMe is read again in backward, never kept
+        if node.op == "call_function" and node.target is zero_ops.PARAM_LOAD:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            ds_meta(node)["recomputable"] = True
 
 
 def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
@@ -374,6 +373,8 @@ def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     if users:
         first = min(users, key=_position(graph))
         chain = [start, wait] + ([value.args[0]] if value.args[0] is not wait else []) + [value]
+        if isinstance(shard, torch.fx.Node) and shard.target is zero_ops.PARAM_LOAD and len(shard.users) == 1:
+            chain.insert(0, shard)  # offload_param: the shard is read just before its gather (prefetch passes hoist both)
         for item in chain:
             first.prepend(item)
     return True

@@ -120,7 +120,6 @@ def test_every_deepspeed_field_is_known():
         ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
         ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype"),
         ({"data_types": {"keep_in_fp32_modules": ["norm"]}}, "data_types.keep_in_fp32_modules"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
         ({"zero_optimization": {"stage": 3, "cpu_offload_param": True}}, "zero_optimization.cpu_offload_param"),
         ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),

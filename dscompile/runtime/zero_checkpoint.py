@@ -18,6 +18,7 @@ full ``state_dict``; ``main(argv)`` is the ``dscompile zero-to-fp32 CKPT OUT`` c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 from collections.abc import Sequence
@@ -60,6 +61,11 @@ def _optimizer_order(optimizer: torch.optim.Optimizer | None, shards: list[torch
     return [index[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
+def _shard_values(zero: Any) -> list[torch.Tensor]:
+    with zero.resident():  # offload_param: shards on the host or NVMe are read back for the file
+        return [s.detach().clone() for s in zero.shards]
+
+
 def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None:
     """Write this rank's shard file (and, on rank 0, the metadata file) into the checkpoint being saved."""
     zero = engine.zero
@@ -78,7 +84,7 @@ def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None
         {
             "rank": zero.rank,
             "world_size": zero.world,
-            "shards": [s.detach().clone() for s in zero.shards],
+            "shards": _shard_values(zero),
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             "optimizer_order": _optimizer_order(engine.optimizer, zero.shards),
             "rng": {
@@ -296,6 +302,12 @@ def _full_state_of_stage0(reader: CheckpointReader, engine: Any) -> FullState:
 
 def load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
     """Restore any checkpoint dscompile reads into ``engine`` (ZeRO or not); returns the client state."""
+    zero = getattr(engine, "zero", None)
+    with zero.resident() if zero is not None else contextlib.nullcontext():  # offload_param: shards written back after
+        return _load_into(engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+
+def _load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
     kind = checkpoint_kind(directory)
     if kind == "pipeline":
         raise CheckpointError(f"{directory} was saved by a PipelineEngine (pipe_stage_* files); load it with a 'pipeline' config")

@@ -107,3 +107,36 @@ zero_use.register_autograd(_use_backward, setup_context=_use_setup)
 GATHER = torch.ops.dscompile.zero_gather.default
 USE = torch.ops.dscompile.zero_use.default
 REDUCE_SCATTER = torch.ops.dscompile.zero_reduce_scatter.default
+
+
+# -- ZeRO-3 parameter offload (``zero_optimization.offload_param``) ----------------------------------
+PARAM_SOURCES: dict[int, object] = {}
+"""Live parameter stores (``runtime/offload/params.ParamStore``) by id: where ``zero_param_load`` reads shards."""
+
+
+@torch.library.custom_op("dscompile::zero_param_load", mutates_args=())
+def zero_param_load(shard: torch.Tensor, store: int, index: int) -> torch.Tensor:
+    """This rank's shard ``index`` brought from the host or NVMe, just before its all-gather.
+
+    ``shard`` is the parameter itself, whose storage is released while offloaded: only its metadata
+    (shape, dtype, device) is read here. The value comes from the store (read ahead in use order).
+    """
+    return PARAM_SOURCES[store].load(index, shard)  # type: ignore[attr-defined]
+
+
+@zero_param_load.register_fake
+def _zero_param_load_fake(shard: torch.Tensor, store: int, index: int) -> torch.Tensor:
+    return torch.empty_like(shard)
+
+
+def _load_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    pass
+
+
+def _load_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+    return grad, None, None
+
+
+zero_param_load.register_autograd(_load_backward, setup_context=_load_setup)
+
+PARAM_LOAD = torch.ops.dscompile.zero_param_load.default

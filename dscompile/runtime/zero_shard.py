@@ -202,6 +202,9 @@ class ZeroPartition:
         self.bucket_bytes = max(1, min(int(bucket_bytes), OUT_OF_GRAPH_BUCKET_CAP))
         # dtype of ZeRO-1's gradient reduce-scatter (``communication_data_type``); None: the gradients' own.
         self.comm_dtype: torch.dtype | None = None
+        # offload_param (``runtime/offload/params.py``): makes offloaded shards' values resident for code that reads
+        # or writes them outside the graphs (full state, checkpoints); None: shards are always resident.
+        self.residency: Callable[[], contextlib.AbstractContextManager[None]] | None = None
         aliases: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -240,6 +243,10 @@ class ZeroPartition:
             for p in module.parameters():  # frozen parameters built under zero.Init are not partitioned: gather them
                 if id(p) not in partitioned and is_sharded(p) and p.numel() != p.ds_numel:
                     p.data = gather_sharded(p)
+
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """Every shard holds its value inside (offloaded ones are read back, and written back on exit)."""
+        return self.residency() if self.residency is not None else contextlib.nullcontext()
 
     # -- names ---------------------------------------------------------------------------------
     def named_shards(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -352,21 +359,23 @@ class ZeroPartition:
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (gathered from the shards), under its first name."""
         result: dict[str, torch.Tensor] = {}
-        for layout, shard in zip(self.layouts, self.shards):
-            full = self._all_gather(shard.detach().reshape(-1))[: layout.numel]
-            result[layout.name] = full.view(layout.shape).clone()
+        with self.resident():
+            for layout, shard in zip(self.layouts, self.shards):
+                full = self._all_gather(shard.detach().reshape(-1))[: layout.numel]
+                result[layout.name] = full.view(layout.shape).clone()
         return result
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set shards (and persistent full copies) from full parameter values."""
-        for layout, shard, p in zip(self.layouts, self.shards, self.full_params):
-            value = _lookup(state, layout)
-            if tuple(value.shape) != layout.shape:
-                raise DSCompileError(f"ZeRO: parameter {layout.name} has shape {tuple(value.shape)} in the state, {layout.shape} in the model")
-            shard.copy_(shard_of(value.to(shard.dtype), self.rank, self.world))
-            if layout.persistent:
-                p.data.copy_(value.to(p.dtype))
+        with self.resident():
+            for layout, shard, p in zip(self.layouts, self.shards, self.full_params):
+                value = _lookup(state, layout)
+                if tuple(value.shape) != layout.shape:
+                    raise DSCompileError(f"ZeRO: parameter {layout.name} has shape {tuple(value.shape)} in the state, {layout.shape} in the model")
+                shard.copy_(shard_of(value.to(shard.dtype), self.rank, self.world))
+                if layout.persistent:
+                    p.data.copy_(value.to(p.dtype))
 
     def zero_grad(self) -> None:
         for shard in self.shards:
@@ -543,15 +552,20 @@ class ZeroModule(nn.Module):
         self._plan = [(layout.name, layout.persistent, list(layout.shape), layout.numel) for layout in partition.layouts]
         self._group = partition.group_name
         self.collectives_up_front = False
+        # ZeRO-3 parameter offload (``passes/offload.py``): shard index -> parameter store id; those shards
+        # are read through ``zero_param_load`` (the host or NVMe copy) right before their gather.
+        self.offloaded_shards: dict[int, int] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors: dict[str, torch.Tensor] = {}
-        for (name, persistent, shape, numel), shard in zip(self._plan, self.zero_shards):
+        for i, ((name, persistent, shape, numel), shard) in enumerate(zip(self._plan, self.zero_shards)):
             if persistent:
                 owner, leaf = _owner(self.module, name)
                 tensors[name] = torch.ops.dscompile.zero_use(shard, getattr(owner, leaf), self._group)
             else:
-                tensors[name] = torch.ops.dscompile.zero_gather(shard, shape, numel, self._group)
+                store = self.offloaded_shards.get(i)
+                source = shard if store is None else torch.ops.dscompile.zero_param_load(shard, store, i)
+                tensors[name] = torch.ops.dscompile.zero_gather(source, shape, numel, self._group)
         if self.collectives_up_front:
             torch._dynamo.graph_break()
         return torch.func.functional_call(self.module, tensors, args, kwargs)

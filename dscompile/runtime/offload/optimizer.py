@@ -170,6 +170,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.host_opt: torch.optim.Optimizer | None = None
         self._versions: dict[int, int] = {}
         self.host_step_seconds = 0.0
+        # offload_param: a context manager making the given shards' values resident (their storage is released
+        # between uses); the step holds only the shards of the tile it steps.
+        self.residency: Any = None
         if not self.offloaded:
             return
         if settings.device == "cpu":
@@ -299,7 +302,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.device_opt is not None:
             self._sync_hyperparameters(self.device_opt)
-            self.device_opt.step()
+            with self._resident(self.on_device):
+                self.device_opt.step()
         if self.host_opt is not None:
             self._sync_hyperparameters(self.host_opt)
             start = time.perf_counter()
@@ -314,6 +318,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._publish_states()
         return loss
 
+    def _resident(self, shards: list[int]) -> contextlib.AbstractContextManager[None]:
+        return self.residency(shards) if self.residency is not None else contextlib.nullcontext()
+
     def _stale(self, piece: _Piece) -> bool:
         return self.shards[piece.shard]._version != self._versions[piece.shard]
 
@@ -325,7 +332,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if piece.master is shard:
                 continue
             if self._stale(piece):
-                piece.master.copy_(shard.detach())
+                with self._resident([piece.shard]):
+                    piece.master.copy_(shard.detach())
             if shard.grad is None:
                 piece.master.grad = None
             else:
@@ -337,7 +345,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             torch.cuda.synchronize()
         self.host_opt.step()
         for piece in copies:
-            self.shards[piece.shard].copy_(piece.master, non_blocking=piece.master.is_pinned())
+            with self._resident([piece.shard]):
+                self.shards[piece.shard].copy_(piece.master, non_blocking=piece.master.is_pinned())
             piece.master.grad = None
         if copies and torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -376,7 +385,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 index, buf, fut = reads.popleft()
                 assert index == t
                 swap.wait(fut)
-                self._step_tile(self.tiles[t], buf)
+                with self._resident(sorted({p.shard for p in self.tiles[t].pieces})):
+                    self._step_tile(self.tiles[t], buf)
                 writes.append((buf, swap.write(self.tiles[t].name, buf[: self.tiles[t].nbytes])))
                 if not s.pipeline_write:
                     retire_write()

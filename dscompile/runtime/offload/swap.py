@@ -64,11 +64,11 @@ def aligned_buffer(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
         return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
-def _explain(exc: OSError, path: Path, doing: str) -> SwapError:
+def _explain(exc: OSError, path: Path, doing: str, key: str = "zero_optimization.offload_optimizer", contents: str = "optimizer states") -> SwapError:
     if exc.errno == errno.ENOSPC:
-        why = "the disk under nvme_path is full; free space there or point zero_optimization.offload_optimizer.nvme_path at a larger disk"
+        why = f"the disk under nvme_path is full; free space there or point {key}.nvme_path at a larger disk"
     elif exc.errno == errno.ENOENT:
-        why = "the file is gone (deleted or its directory removed while training); the offloaded optimizer states in it are lost"
+        why = f"the file is gone (deleted or its directory removed while training); the offloaded {contents} in it are lost"
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         why = "no permission to write there; choose a writable nvme_path"
     else:
@@ -86,13 +86,22 @@ class SwapDirectory:
     """
 
     def __init__(
-        self, nvme_path: str | os.PathLike, rank: int, block_size: int = 1 << 20, threads: int = 1, direct: bool = True, verify: bool = False
+        self,
+        nvme_path: str | os.PathLike,
+        rank: int,
+        block_size: int = 1 << 20,
+        threads: int = 1,
+        direct: bool = True,
+        verify: bool = False,
+        key: str = "zero_optimization.offload_optimizer",
+        contents: str = "optimizer states",
     ) -> None:
+        self.key, self.contents = key, contents  # named in error messages: the config section and what the files hold
         base = Path(nvme_path)
         if not base.is_dir():
             raise SwapError(
                 f"NVMe offload: nvme_path {base} does not exist or is not a directory; create it (on the fast disk) or point "
-                "zero_optimization.offload_optimizer.nvme_path at an existing directory"
+                f"{key}.nvme_path at an existing directory"
             )
         self.root = base / f"rank_{rank}"
         try:
@@ -101,7 +110,7 @@ class SwapDirectory:
             probe.write_bytes(b"\0" * ALIGN)
             probe.unlink()
         except OSError as exc:
-            raise _explain(exc, self.root, "creating swap files in") from exc
+            raise _explain(exc, self.root, "creating swap files in", key, contents) from exc
         self.block_size = max(ALIGN, align_up(int(block_size)))
         self.direct = direct and hasattr(os, "O_DIRECT") and self._direct_works()
         if direct and not self.direct:
@@ -152,7 +161,7 @@ class SwapDirectory:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise _explain(exc, path, "writing") from exc
+            raise _explain(exc, path, "writing", self.key, self.contents) from exc
         with self._lock:
             self.bytes_written += view.nbytes
             if self.verify:
@@ -166,7 +175,7 @@ class SwapDirectory:
             if size < view.nbytes:
                 raise SwapError(
                     f"NVMe offload: {path} holds {size} bytes, {view.nbytes} expected: it was truncated or overwritten by "
-                    "something else; the offloaded optimizer states in it are lost (resume from a checkpoint)"
+                    f"something else; the offloaded {self.contents} in it are lost (resume from a checkpoint)"
                 )
             fd = self._open(path, os.O_RDONLY)
             try:
@@ -178,7 +187,7 @@ class SwapDirectory:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise _explain(exc, path, "reading") from exc
+            raise _explain(exc, path, "reading", self.key, self.contents) from exc
         if self.verify:
             with self._lock:
                 written = self._checksums.get(name)
@@ -187,7 +196,7 @@ class SwapDirectory:
             if written is not None and any(g != w for (g, w) in zip(got, written, strict=False) if g[0] == w[0]):
                 raise SwapError(
                     f"NVMe offload: {path} changed on disk since it was written (CRC-32 mismatch on read-back): something else wrote "
-                    "to it or the device returned bad data; the offloaded optimizer states in it are lost (resume from a checkpoint)"
+                    f"to it or the device returned bad data; the offloaded {self.contents} in it are lost (resume from a checkpoint)"
                 )
         with self._lock:
             self.bytes_read += view.nbytes

@@ -1,0 +1,246 @@
+"""``ParamStore``: ZeRO-3 parameter shards kept on the host or in NVMe swap files (``offload_param``).
+
+The shard parameters keep their shape, dtype and device (the optimizer, the compiled graphs and the
+checkpoints see the same tensors), but their storage is released (resized to 0 bytes) while offloaded.
+The authoritative copy lives in a host tensor (``device: cpu``, pinned when asked and CUDA exists) or in
+``nvme_path/rank_N/param_XXXXX.swp`` (``device: nvme``, written and read by ``swap.SwapDirectory``).
+
+- In the graphs, ``zero_param_load`` (``runtime/zero_ops.py``) sits right before each shard's all-gather
+  (forward, and again in backward: it is always recomputed, never saved). It returns the shard from the
+  store: a host→device copy for ``cpu``; for ``nvme`` the file read into a fresh buffer, which dies with
+  the graph's last use of it (after the gather). The first step records the order the graphs load shards
+  in; afterwards every load issues the reads of the next ``prefetch_distance`` shards of that order, and
+  the end of each step reads the first ones ahead of the next forward.
+- Around the optimizer step, checkpoints and ``full_parameters`` the shards are made resident
+  (``resident``): the shard's data becomes the read buffer (or the host copy); on exit that buffer is
+  written back and the shard holds no storage again. Read-ahead buffers are dropped before that, so no read crosses a write.
+  With ``offload_optimizer`` the step does this tile by tile (``OffloadedOptimizer.residency``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dscompile.runtime import zero_ops
+from dscompile.runtime.offload.swap import SwapDirectory, align_up, aligned_buffer
+
+log = logging.getLogger("dscompile.offload")
+
+
+@dataclass
+class ParamOffloadSettings:
+    """What the planner decided for the parameter shards (from ``zero_optimization.offload_param``)."""
+
+    device: str  # "cpu" or "nvme"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    prefetch_distance: int = 1
+    block_size: int = 1 << 20
+    io_threads: int = 4
+    verify_reads: bool = False
+
+
+def _release(shard: torch.Tensor) -> None:
+    shard.data.untyped_storage().resize_(0)
+
+
+def _is_released(shard: torch.Tensor) -> bool:
+    return shard.data.untyped_storage().nbytes() == 0 and shard.numel() > 0
+
+
+class ParamStore:
+    """The offloaded shards of one ZeRO partition (see the module docstring)."""
+
+    def __init__(self, shards: list[nn.Parameter], indices: list[int], settings: ParamOffloadSettings, rank: int = 0) -> None:
+        self.shards = shards
+        self.indices = list(indices)
+        self.settings = settings
+        self.swap: SwapDirectory | None = None
+        self.host: dict[int, torch.Tensor] = {}
+        self.released: dict[int, torch.Tensor] = {}
+        self.order: list[int] = []
+        self.recording = True
+        self.cursor = 0
+        self.inflight: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self.loads = 0
+        self.prefetch_hits = 0
+        self.bytes_loaded = 0
+        if settings.device == "nvme":
+            if not settings.nvme_path:
+                from dscompile.errors import DSCompileConfigError
+
+                raise DSCompileConfigError("zero_optimization.offload_param.nvme_path", "is required with device nvme", "set it to a fast disk directory")
+            self.swap = SwapDirectory(
+                settings.nvme_path, rank, block_size=settings.block_size, threads=settings.io_threads, verify=settings.verify_reads,
+                key="zero_optimization.offload_param", contents="parameter shards",
+            )
+            for path in sorted(self.swap.root.glob("param_*.swp")):  # an earlier run's shards: never read again
+                path.unlink(missing_ok=True)
+        pin = settings.pin_memory and torch.cuda.is_available()
+        for i in self.indices:
+            shard = self.shards[i]
+            if self.swap is not None:
+                self._write(i, shard.detach())
+            else:
+                host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin)
+                host.copy_(shard.detach())
+                self.host[i] = host
+            _release(shard)
+            self.released[i] = shard.data  # the shape with no storage: what the shard holds while offloaded
+        self.id = id(self)
+        zero_ops.PARAM_SOURCES[self.id] = self
+
+    # -- files -------------------------------------------------------------------------------------
+    @staticmethod
+    def file_name(i: int) -> str:
+        return f"param_{i:05d}.swp"
+
+    def _nbytes(self, i: int) -> int:
+        shard = self.shards[i]
+        return shard.numel() * shard.element_size()
+
+    def _write(self, i: int, value: torch.Tensor) -> None:
+        assert self.swap is not None
+        buf = aligned_buffer(align_up(self._nbytes(i)), self.settings.pin_memory)
+        buf.zero_()
+        buf[: self._nbytes(i)].view(value.dtype).copy_(value.reshape(-1))
+        self.swap.wait(self.swap.write(self.file_name(i), buf))
+
+    def _start_read(self, i: int) -> tuple[torch.Tensor, Future[None]]:
+        assert self.swap is not None
+        buf = aligned_buffer(align_up(self._nbytes(i)), self.settings.pin_memory)
+        return buf, self.swap.read(self.file_name(i), buf)
+
+    def _value(self, i: int, buf: torch.Tensor) -> torch.Tensor:
+        shard = self.shards[i]
+        return buf[: self._nbytes(i)].view(shard.dtype).view(shard.shape)
+
+    def expected_file_bytes(self) -> int:
+        return sum(align_up(self._nbytes(i)) for i in self.indices) if self.swap is not None else 0
+
+    def file_bytes(self) -> int:
+        return sum(n for name, n in self.swap.file_bytes().items() if name.startswith("param_")) if self.swap is not None else 0
+
+    def read_value(self, i: int) -> torch.Tensor:
+        """Shard ``i``'s stored value (a fresh host tensor), whatever its residency."""
+        if self.swap is None:
+            return self.host[i].clone()
+        buf, fut = self._start_read(i)
+        self.swap.wait(fut)
+        return self._value(i, buf).clone()
+
+    # -- the graphs' loads --------------------------------------------------------------------------
+    def load(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Shard ``i``'s value for its all-gather (``zero_param_load``), reading the next ones ahead."""
+        self._advance(i)
+        self.loads += 1
+        self.bytes_loaded += self._nbytes(i)
+        if self.swap is None:
+            out = self.host[i].to(like.device, copy=True, non_blocking=self.host[i].is_pinned())
+        else:
+            entry = self.inflight.pop(i, None)
+            if entry is None:
+                entry = self._start_read(i)
+            else:
+                self.prefetch_hits += 1
+            buf, fut = entry
+            self.swap.wait(fut)
+            value = self._value(i, buf)
+            out = value if like.device.type == "cpu" else value.to(like.device, non_blocking=value.is_pinned())
+        self._prefetch()
+        return out
+
+    def _advance(self, i: int) -> None:
+        if self.recording:
+            self.order.append(i)
+            return
+        n = len(self.order)
+        if n == 0:
+            return
+        for step in range(n):  # where this load is in the recorded order (normally the very next one)
+            if self.order[(self.cursor + step) % n] == i:
+                self.cursor = (self.cursor + step + 1) % n
+                return
+
+    def _prefetch(self) -> None:
+        if self.swap is None or self.recording or not self.order:
+            return
+        n = len(self.order)
+        for step in range(min(self.settings.prefetch_distance, n)):
+            if len(self.inflight) >= self.settings.prefetch_distance:
+                break
+            key = self.order[(self.cursor + step) % n]
+            if key not in self.inflight:
+                self.inflight[key] = self._start_read(key)
+
+    def _drop_prefetches(self) -> None:
+        assert self.swap is not None or not self.inflight
+        for _, fut in self.inflight.values():
+            with contextlib.suppress(Exception):
+                fut.result()
+        self.inflight.clear()
+
+    def end_step(self) -> None:
+        """After an optimizer step (values written back): fix the use order, read the first shards ahead."""
+        if self.recording and self.order:
+            self.recording = False
+            log.info("offload_param: %d shard loads per step recorded; reading %d ahead", len(self.order), self.settings.prefetch_distance)
+        self.cursor = 0
+        self._prefetch()
+
+    # -- residency around the step and checkpoints ----------------------------------------------------
+    @contextlib.contextmanager
+    def resident(self, indices: Iterable[int] | None = None) -> Iterator[None]:
+        """Shards ``indices`` (default: all offloaded) hold their value inside; written back and released on exit.
+
+        No copy where it can be avoided: for nvme the shard's data becomes the read buffer itself (the step
+        updates it in place and the same buffer is written back); for cpu on a host-only run, the host copy itself.
+        """
+        self._drop_prefetches()
+        offloaded = set(self.indices)
+        wanted = [i for i in (self.indices if indices is None else indices) if i in offloaded and _is_released(self.shards[i])]
+        buffers: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for i in wanted:
+                shard = self.shards[i]
+                if self.swap is not None:
+                    buf, fut = self._start_read(i)
+                    self.swap.wait(fut)
+                    buffers[i] = buf
+                    value = self._value(i, buf)
+                else:
+                    value = self.host[i]
+                # ``.data =`` keeps the parameter object and its version counter (the optimizer's staleness check)
+                shard.data = value if value.device == shard.device else value.to(shard.device)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for i in wanted:
+                    shard = self.shards[i]
+                    if self.swap is not None:
+                        self.swap.wait(self.swap.write(self.file_name(i), buffers[i]))
+                    elif shard.data.data_ptr() != self.host[i].data_ptr():
+                        self.host[i].copy_(shard.data)
+                    shard.data = self.released[i]
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "param_loads": self.loads,
+            "param_prefetch_hits": self.prefetch_hits,
+            "param_bytes_loaded": self.bytes_loaded,
+            "param_offloaded_shards": len(self.indices),
+        }
+
+    def close(self) -> None:
+        self._drop_prefetches()
+        zero_ops.PARAM_SOURCES.pop(self.id, None)
+        if self.swap is not None:
+            self.swap.close()
