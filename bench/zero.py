@@ -94,9 +94,9 @@ parameters), 4 steady steps per run, 3 rounds alternated, ratios the median of p
     deepspeed-z3      1355     13%     -                       1.14x [0.93-1.28]     912
     fsdp2 (eager)     1205     18%     -                       1.00x                 751
 
-dscompile is ahead of both peers at every stage, with ZeRO-3 at the lowest peak memory, but the targets
-(ZeRO-3 <= 0.85x FSDP2 eager and <= 0.7x DeepSpeed; ZeRO-1/2 <= 0.7x DeepSpeed) are met only by ZeRO-3
-against FSDP2 (0.87x median, just over) -- not met. dscompile-z3's third-round run died once with glibc's
+dscompile is ahead of both peers at every stage, ZeRO-3 at the lowest peak memory, but no target is met:
+ZeRO-3 0.87x FSDP2 eager (target 0.85x) and 0.85x DeepSpeed (0.7x); ZeRO-1 0.71x and ZeRO-2 0.92x
+DeepSpeed (0.7x); dscompile's spread 6-13% (target under 10%). dscompile-z3's third-round run died once with glibc's
 "malloc(): unaligned tcache chunk detected" (4 more rounds did not repeat it). DeepSpeed on CPU
 communicates through its shared-memory op (deepspeed_shm_comm_op; 0.5 ms of collective time in a
 profiled ZeRO-2 step against dscompile's 745 ms of gloo waits under load): gloo over loopback is where
