@@ -81,14 +81,11 @@ class OffloadPlan:
         return moved / total if total else 0.0
 
     def table(self) -> str:
-        width = max([len("tensor")] + [len(r.name) for r in self.rows]) + 2
-        lines = [
+        title = (
             f"offload plan: ZeRO-{self.stage}, world {self.world}, offload_optimizer.device={self.device}, "
-            f"limit {_mib(self.limit) if self.limit > 0 else 'none'} per rank",
-            f"{'tensor':<{width}}{'optimizer state bytes':>22}  {'placement':<10} when it moves",
-        ]
-        for r in self.rows:
-            lines.append(f"{r.name:<{width}}{r.state_bytes:>22}  {r.placement:<10} {r.moves}")
+            f"limit {_mib(self.limit) if self.limit > 0 else 'none'} per rank"
+        )
+        lines = _placement_table(title, "optimizer state bytes", self.rows)
         lines.append(
             f"predicted model states per rank on the device: {_mib(self.device_bytes)} "
             f"(parameters, gradients and fp32 shards {_mib(self.fixed_bytes)}; optimizer states offloaded {_mib(self.offloaded_bytes)})"
@@ -98,6 +95,14 @@ class OffloadPlan:
         if not self.fits:
             lines.append(f"WARNING: {_mib(self.device_bytes)} exceeds the limit {_mib(self.limit)} even with this plan")
         return "\n".join(lines)
+
+
+def _placement_table(title: str, bytes_title: str, rows: list[PlanRow]) -> list[str]:
+    """The lines every plan prints: a title, then one row per tensor (bytes, placement, when it moves)."""
+    width = max([len("tensor")] + [len(r.name) for r in rows]) + 2
+    lines = [title, f"{'tensor':<{width}}{bytes_title:>22}  {'placement':<10} when it moves"]
+    lines += [f"{r.name:<{width}}{r.state_bytes:>22}  {r.placement:<10} {r.moves}" for r in rows]
+    return lines
 
 
 def _mib(nbytes: int) -> str:
@@ -192,14 +197,11 @@ class ParamPlan:
         return sum(r.state_bytes for r in self.rows if r.placement != "device")
 
     def table(self) -> str:
-        width = max([len("tensor")] + [len(r.name) for r in self.rows]) + 2
-        lines = [
+        title = (
             f"parameter offload plan: ZeRO-3, world {self.world}, offload_param.device={self.device}, "
-            f"read ahead {self.prefetch_distance} shard(s) (window {self.window_elements} elements)",
-            f"{'tensor':<{width}}{'shard bytes':>22}  {'placement':<10} when it moves",
-        ]
-        for r in self.rows:
-            lines.append(f"{r.name:<{width}}{r.state_bytes:>22}  {r.placement:<10} {r.moves}")
+            f"read ahead {self.prefetch_distance} shard(s) (window {self.window_elements} elements)"
+        )
+        lines = _placement_table(title, "shard bytes", self.rows)
         lines.append(f"parameter shards offloaded per rank: {_mib(self.offloaded_bytes)}")
         return "\n".join(lines)
 
