@@ -98,7 +98,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -596,6 +596,17 @@ def write_16bit_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None,
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     os.makedirs(save_dir, exist_ok=True)
     torch.save(state, os.path.join(save_dir, save_filename))
+
+
+def scale_gradients_to_norm(params: Iterable[nn.Parameter], total: float, max_norm: float) -> float:
+    """Clip by a global norm computed elsewhere (each gradient strategy sums its own partial norms): scale every
+    gradient by ``max_norm / total`` when that is below 1. Returns ``total``."""
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total
 
 
 def params_or_error(module: nn.Module, needs_training: bool) -> list[nn.Parameter]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
-from dscompile.runtime.engine_core import EngineCore, GradientStrategy
+from dscompile.runtime.engine_core import EngineCore, GradientStrategy, scale_gradients_to_norm
 from dscompile.runtime.process_groups import ProcessGroups
 
 
@@ -209,11 +209,7 @@ class TensorParallelGradients(DataParallelGradients):
         if self.groups.tp_size > 1:
             dist.all_reduce(sq_sliced, group=self.groups.tp_group)
         total = float((sq_sliced + sq_whole).sqrt())
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in grads:
-                p.grad.mul_(coef)
-        return total
+        return scale_gradients_to_norm(grads, total, max_norm)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter at its unpartitioned shape (a collective over the TP group)."""
@@ -318,12 +314,7 @@ class TensorParallelOver(GradientStrategy):
             dist.all_reduce(sliced, group=self.groups.tp_group)
             sq[0] = sliced[0]
         total = float(sq.sum().sqrt())
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return total
+        return scale_gradients_to_norm(params, total, max_norm)
 
     def after_optimizer_step(self, engine: EngineCore) -> None:
         self.inner.after_optimizer_step(engine)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.runtime.engine_core import EngineCore, EngineExtension, GradientStrategy, params_or_error
+from dscompile.runtime.engine_core import EngineCore, EngineExtension, GradientStrategy, params_or_error, scale_gradients_to_norm
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure, model_state_tensors
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -145,12 +145,7 @@ class ZeroGradients(GradientStrategy):
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
         total = float(self.partition.grad_norm_squared().sqrt())
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return total
+        return scale_gradients_to_norm(params, total, max_norm)
 
     def after_optimizer_step(self, engine: EngineCore) -> None:
         zero = self.partition
