@@ -37,7 +37,7 @@ def comm_rank(rank: int, world: int) -> dict[str, Any]:
     out["dp"] = {"stats": engine.communication_stats(), "numel": numel, "count": count}
     for allgather in (True, False):
         case = build("gpt", seed=3, **MODEL)
-        cfg = {"optimizer": SGD, "lower": "eager", "zero_optimization": {"stage": 1, "allgather_partitions": allgather}}
+        cfg = {"optimizer": SGD, "lower": "eager", "gradient_clipping": 1.0, "zero_optimization": {"stage": 1, "allgather_partitions": allgather}}
         engine, *_ = dscompile.initialize(model=case.model, config=cfg)
         _train(engine, case, rank, 2)
         padded = sum(layout.shard_numel * world for layout in engine.zero.layouts)
@@ -71,7 +71,8 @@ def test_communication_stats_and_allgather_partitions() -> None:
             zero = z1["stats"]["zero"]
             assert zero["reduce_scatter"] == {"calls": 2, "bytes": 2 * 4 * z1["padded"], "seconds": zero["reduce_scatter"]["seconds"]}
             refresh = "all_gather" if allgather else "broadcast"  # DeepSpeed's allgather_partitions: false
-            assert set(zero) == {"reduce_scatter", refresh}
+            assert set(zero) == {"reduce_scatter", refresh, "clip_norm.all_reduce"}
+            assert zero["clip_norm.all_reduce"]["calls"] == 2 and zero["clip_norm.all_reduce"]["bytes"] == 2 * 4  # one fp32 norm² a step
             assert zero[refresh]["calls"] == 2 and zero[refresh]["bytes"] == 2 * 4 * z1["padded"]
         same = result[("zero1", True)]["params"], result[("zero1", False)]["params"]
         torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)

@@ -144,7 +144,9 @@ class ZeroGradients(GradientStrategy):
             zero.check_unused()
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
-        total = float(self.partition.grad_norm_squared().sqrt())
+        world = self.partition.world
+        with engine.comm_stats.timed("zero", "clip_norm.all_reduce", 4 if world > 1 else 0):
+            total = float(self.partition.grad_norm_squared().sqrt())  # one fp32 scalar summed over the ranks
         return scale_gradients_to_norm(params, total, max_norm)
 
     def after_optimizer_step(self, engine: EngineCore) -> None:
