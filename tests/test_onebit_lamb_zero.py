@@ -73,14 +73,22 @@ def _run(
     if simulate:  # the same algorithm in one process: whole-parameter 1-bit LAMB fed the averaged gradients, nothing sent
         sim = [p.detach().clone().requires_grad_(True) for p in engine.full_parameters().values()]
         sim_opt = OneBitLamb(sim, **ARGS, local=True)
+        averaged: list[torch.Tensor] = []
+        reduce = engine.gradients.reduce
+
+        def reduce_and_record(engine_) -> None:  # the shards' gradients are complete once the boundary has waited for them
+            reduce(engine_)
+            averaged[:] = _averaged_gradients(engine_, world)
+
+        engine.gradients.reduce = reduce_and_record
     losses, deviation, sent = [], [], []
     for step in range(1, steps + 1):
         loss = engine(*_batch(step, rank))
         engine.backward(loss)
-        if sim_opt is not None:
-            for p, g in zip(sim, _averaged_gradients(engine, world)):
-                p.grad = g.clone()
         engine.step()
+        if sim_opt is not None:
+            for p, g in zip(sim, averaged):
+                p.grad = g.clone()
         losses.append(loss.item())
         sent.append(engine.communication_stats()["extensions"]["onebit"]["bytes_sent_last_step"])
         if sim_opt is not None:

@@ -36,16 +36,22 @@ def _config(optimizer: dict, stage: int, **extra) -> dict:
 
 
 def _recording_exchange(records: list) -> None:
-    """Record every 1-bit reduce-scatter of this process: its rows and worker error before, its result after."""
-    original = onebit_zero.compressed_reduce_scatter
+    """Record every 1-bit reduce-scatter of this process: its rows and worker error when it starts, its result when
+    waited."""
+    original = onebit_zero.CompressedReduceScatter
 
-    def record(rows, error, block_size, comm, purpose, impl):
-        before = (rows.clone(), error.clone())
-        out = original(rows, error, block_size, comm, purpose, impl)
-        records.append({"rows": before[0], "error": before[1], "block_size": block_size, "out": out.clone()})
-        return out
+    class Recorded(original):
+        def __init__(self, rows, error, block_size, comm, purpose, impl):
+            self.record = {"rows": rows.clone(), "error": error.clone(), "block_size": block_size}
+            super().__init__(rows, error, block_size, comm, purpose, impl)
 
-    onebit_zero.compressed_reduce_scatter = record
+        def wait(self):
+            out = super().wait()
+            if "out" not in self.record:
+                records.append({**self.record, "out": out.clone()})
+            return out
+
+    onebit_zero.CompressedReduceScatter = Recorded
 
 
 def _simulate(per_rank: list[dict]) -> list[torch.Tensor]:

@@ -72,7 +72,6 @@ class OneBitAdam(CompressedCommOptimizer):
             name=name,
             local=local,
         )
-        self._exchanged_early: set[int] = set()
 
     zero_shardable = True
 
@@ -120,35 +119,36 @@ class OneBitAdam(CompressedCommOptimizer):
                 for p, grad in zip(bucket.params, self.averaged_gradients(bucket)):
                     self._adam_step(p, grad, step)
                 continue
-            if id(bucket) not in self._exchanged_early:
-                self._exchange_momentum(bucket)
+            if not self.has_compressed_mean(bucket):
+                self._start_momentum_exchange(bucket)
+            for exp_avg, averaged in zip((self.state[p]["exp_avg"] for p in bucket.params), self.take_compressed_mean(bucket)):
+                exp_avg.copy_(averaged)
             for p in bucket.params:
                 exp_avg = self.state[p]["exp_avg"]
                 self.mask_compressed(p, exp_avg, self.state[p]["exp_avg_sq"], bias_corrections(self.group_of(p), step, self.freeze_step)[1])
                 self._frozen_variance_step(p, step)
-        self._exchanged_early.clear()
         self.global_step = step
         return loss
 
-    def _exchange_momentum(self, bucket: Bucket) -> None:
-        """Fold this rank's gradient into the bucket's momentum and replace it by its 1-bit average over the ranks."""
+    def _start_momentum_exchange(self, bucket: Bucket) -> None:
+        """Fold this rank's gradient into the bucket's momentum and start its 1-bit average over the ranks (the step
+        replaces the momentum by it)."""
         momenta = []
         for p, grad in zip(bucket.params, self.local_gradients(bucket)):
             exp_avg = self.state[p]["exp_avg"]
             exp_avg.lerp_(grad, 1 - self.group_of(p)["betas"][0])
             momenta.append(exp_avg)
-        for exp_avg, averaged in zip(momenta, self.compressed_mean(bucket, momenta, "compressed_momentum")):
-            exp_avg.copy_(averaged)
+        self.start_compressed_mean(bucket, momenta, "compressed_momentum")
 
     @torch.no_grad()
     def exchange_early(self, bucket: Bucket) -> bool:
-        """During backward, once ``bucket``'s gradients are final: its momentum exchange now instead of in ``step()``
-        (the momentum update needs that bucket's gradient only). The coming ``step()`` must be a compressed one with
-        these gradients as they are (no clipping, no overflow skip): the caller checks. Returns whether it exchanged."""
-        if self.needs_averaged_gradients() or id(bucket) in self._exchanged_early:
+        """During backward, once ``bucket``'s gradients are final: start its momentum exchange now instead of in
+        ``step()`` (the momentum update needs that bucket's gradient only; ``step()`` takes the result). The coming
+        ``step()`` must be a compressed one with these gradients as they are (no clipping, no overflow skip): the
+        caller checks. Returns whether it started one."""
+        if self.needs_averaged_gradients() or self.has_compressed_mean(bucket):
             return False
-        self._exchange_momentum(bucket)
-        self._exchanged_early.add(id(bucket))
+        self._start_momentum_exchange(bucket)
         return True
 
     def _adam_step(self, p: torch.nn.Parameter, grad: torch.Tensor, step: int) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dscompile.runtime.onebit.comm import Collectives, CommStats, CompressedLayout, compressed_all_reduce
+from dscompile.runtime.onebit.comm import Collectives, CommStats, CompressedAllReduce, CompressedLayout
 
 DEEPSPEED_TRANSPORTS = ("nccl", "mpi", "compressed", "hccl")
 """``comm_backend_name`` values DeepSpeed accepted; here all of them mean torch.distributed."""
@@ -128,6 +128,8 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         self.exchange_state: dict[str, Any] = {}
         """Per-rank state of a caller's gradient exchange (ZeRO-1's worker errors), saved in ``state_dict()``."""
         self.global_step = 0
+        self._in_flight: dict[int, CompressedAllReduce] = {}
+        """Compressed exchanges started and not yet taken, by bucket ``id``, in issue order."""
         trainable = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -193,9 +195,39 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         return bucket.split(flat)
 
     def compressed_mean(self, bucket: Bucket, tensors: list[torch.Tensor], purpose: str) -> list[torch.Tensor]:
+        """The 1-bit mean of ``tensors`` over the ranks, now (``start_compressed_mean`` + ``take_compressed_mean``)."""
+        self.start_compressed_mean(bucket, tensors, purpose)
+        return self.take_compressed_mean(bucket)
+
+    def start_compressed_mean(self, bucket: Bucket, tensors: list[torch.Tensor], purpose: str) -> None:
+        """Start ``bucket``'s 1-bit mean of ``tensors`` (copied now: they may change afterwards) without waiting for it.
+
+        Exchanges overlap as a pipeline of depth one: starting one moves every earlier exchange still in its first
+        half to its second (their all-to-alls had the time since to finish), so the collectives are issued in the
+        same order on every rank whatever the timing."""
+        if id(bucket) in self._in_flight:
+            raise RuntimeError(f"{type(self).__name__}: a bucket's compressed exchange was started twice in one step")
         worker_error, server_error = bucket.errors()
-        flat = compressed_all_reduce(bucket.flatten(tensors), worker_error, server_error, bucket.layout, self.comm, purpose, self.kernel_impl)
-        return bucket.split(flat)
+        self._in_flight[id(bucket)] = CompressedAllReduce(
+            bucket.flatten(tensors), worker_error, server_error, bucket.layout, self.comm, purpose, self.kernel_impl
+        )
+        for exchange in list(self._in_flight.values())[:-1]:
+            exchange.gather()
+
+    def has_compressed_mean(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s exchange was started (from backward) and not yet taken."""
+        return id(bucket) in self._in_flight
+
+    def exchanges_in_flight(self) -> int:
+        """How many started exchanges have not been taken: after an overlapped backward, every bucket's."""
+        return len(self._in_flight)
+
+    def take_compressed_mean(self, bucket: Bucket) -> list[torch.Tensor]:
+        """The result of ``bucket``'s started exchange (every exchange in flight enters its second half first, in
+        issue order, so that all-gathers pair up across ranks)."""
+        for exchange in self._in_flight.values():
+            exchange.gather()
+        return bucket.split(self._in_flight.pop(id(bucket)).wait())
 
     def mask_compressed(self, p: torch.nn.Parameter, values: torch.Tensor, exp_avg_sq: torch.Tensor, bias_correction2_sqrt: float) -> None:
         """Zero, in a decompressed momentum (or gradient), what 1-bit values cannot represent: an exact zero.

@@ -15,7 +15,10 @@ Both errors are per rank: checkpoints must keep each rank's own. A block is ``bl
 values, or a whole chunk when ``block_size`` is None (DeepSpeed's server side: one scale per
 rank's chunk). Every rank ends with bitwise the same result.
 
-``compressed_reduce_scatter`` is steps 1-3 alone, for ZeRO-1: the rows of a ``[world, n]``
+``CompressedAllReduce`` runs the algorithm in two asynchronous halves (steps 1-2 when built, 3-4 in
+``gather()``, the result from ``wait()``), so an engine can start an exchange from backward and let
+the rest of backward run while it travels; ``compressed_all_reduce`` is the blocking form, with the
+same arithmetic. ``compressed_reduce_scatter`` (``CompressedReduceScatter``) is steps 1-3 alone, for ZeRO-1: the rows of a ``[world, n]``
 buffer are the ranks' shards, and rank ``r`` ends with the mean of row ``r`` (no server error,
 no all-gather: ZeRO-1's parameter all-gather follows the optimizer step instead).
 
@@ -116,16 +119,26 @@ class Collectives:
         with _engine_counted("all_reduce", purpose, _nbytes(tensor)):
             dist.all_reduce(tensor, group=self.group)
 
-    def all_to_all_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str) -> None:
+    def all_to_all_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, async_op: bool = False) -> dist.Work | None:
+        """``async_op``: start it and return its work handle (counted, not timed: it overlaps what follows)."""
         self.stats.record("all_to_all", purpose, wire_bytes("all_to_all", _nbytes(inp), self.world))
+        if async_op:
+            engine_comm_stats.record("onebit", f"{purpose}.all_to_all", _nbytes(inp))
+            return dist.all_to_all_single(out, inp, group=self.group, async_op=True)
         with _engine_counted("all_to_all", purpose, _nbytes(inp)):
             dist.all_to_all_single(out, inp, group=self.group)
+        return None
 
-    def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str) -> None:
+    def all_gather_(self, out: torch.Tensor, inp: torch.Tensor, purpose: str, async_op: bool = False) -> dist.Work | None:
+        """``async_op``: as ``all_to_all_``."""
         self.stats.record("all_gather", purpose, wire_bytes("all_gather", _nbytes(inp), self.world))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        if async_op:
+            engine_comm_stats.record("onebit", f"{purpose}.all_gather", _nbytes(out))
+            return gather(out, inp, group=self.group, async_op=True)
         with _engine_counted("all_gather", purpose, _nbytes(out)):
             gather(out, inp, group=self.group)
+        return None
 
 
 @contextlib.contextmanager
@@ -175,6 +188,79 @@ class CompressedLayout:
         return torch.zeros(self.padded, device=device), torch.zeros(self.chunk, device=device)
 
 
+class CompressedAllReduce:
+    """One compressed all-reduce in flight, in its two halves, so that backward can run between them.
+
+    Built: step 1 (compress with the worker error) and the all-to-all, started asynchronously.
+    ``gather()``: waits for the all-to-all, does step 3 (average the chunk, server error, recompress) and
+    starts the all-gather. ``wait()``: the result (``gather()`` first if it was not called). Every rank
+    must call ``gather()`` on its exchanges in the same order (collectives pair up by issue order); the
+    arithmetic is the blocking algorithm's, so results do not depend on when the halves ran.
+    The buffers a collective reads or writes stay referenced here until it has been waited."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        worker_error: torch.Tensor,
+        server_error: torch.Tensor,
+        layout: CompressedLayout,
+        comm: Collectives,
+        purpose: str = "compressed",
+        impl: str | None = None,
+    ) -> None:
+        if comm.world != layout.world or flat.numel() != layout.numel:
+            raise ValueError(f"layout {layout} does not match a buffer of {flat.numel()} values on {comm.world} ranks")
+        self.layout, self.comm, self.purpose, self.impl = layout, comm, purpose, impl
+        self.server_error = server_error
+        self._result: torch.Tensor | None = None
+        self._work: dist.Work | None = None
+        self._gathered: torch.Tensor | None = None
+        if comm.world == 1:
+            self._result = flat  # nothing to send, so nothing is lost
+            return
+        w, k, block = layout.world, layout.blocks_per_chunk, layout.block
+        padded = F.pad(flat.reshape(-1).float(), (0, layout.padded - layout.numel))
+        packed, scales = onebit_kernels.compress(padded.view(w * k, block), worker_error.view(w * k, block), impl)
+        self._send = torch.cat([packed.view(w, layout.chunk // 8), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
+        self._recv = torch.empty_like(self._send)
+        self._work = comm.all_to_all_(self._recv, self._send, purpose, async_op=True)
+
+    @property
+    def gathering(self) -> bool:
+        """True once the second half (the all-gather) has started, or when there is nothing to send."""
+        return self._gathered is not None or self._result is not None
+
+    def gather(self) -> None:
+        """The server half: wait for this exchange's all-to-all, average, recompress, start the all-gather."""
+        if self.gathering:
+            return
+        assert self._work is not None
+        self._work.wait()
+        w, k, block = self.layout.world, self.layout.blocks_per_chunk, self.layout.block
+        chunk_bytes = self.layout.chunk // 8
+        recv = self._recv
+        mine = onebit_kernels.decompress_mean(recv[:, :chunk_bytes].reshape(w, k, block // 8), _floats(recv[:, chunk_bytes:], (w, k)), self.impl)
+        s_packed, s_scales = onebit_kernels.compress(mine, self.server_error.view(k, block), self.impl)
+        self._message = torch.cat([s_packed.view(-1), s_scales.view(torch.uint8)])
+        self._gathered = torch.empty(w * self._message.numel(), dtype=torch.uint8, device=recv.device)
+        del self._send, self._recv  # the all-to-all is done with them
+        self._work = self.comm.all_gather_(self._gathered, self._message, self.purpose, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        """The mean over the ranks (a new tensor, bitwise equal on every rank)."""
+        if self._result is None:
+            self.gather()
+            assert self._work is not None and self._gathered is not None
+            self._work.wait()
+            w, k, block = self.layout.world, self.layout.blocks_per_chunk, self.layout.block
+            chunk_bytes = self.layout.chunk // 8
+            rows = self._gathered.view(w, -1)
+            out = onebit_kernels.decompress(rows[:, :chunk_bytes].reshape(w * k, block // 8), _floats(rows[:, chunk_bytes:], (w * k,)), self.impl)
+            self._result = out.view(-1)[: self.layout.numel]
+            self._work = self._gathered = None
+        return self._result
+
+
 def compressed_all_reduce(
     flat: torch.Tensor,
     worker_error: torch.Tensor,
@@ -184,29 +270,11 @@ def compressed_all_reduce(
     purpose: str = "compressed",
     impl: str | None = None,
 ) -> torch.Tensor:
-    """The mean of ``flat`` (fp32, ``layout.numel`` values) over the ranks of ``comm``, sent 1-bit.
+    """The mean of ``flat`` (fp32, ``layout.numel`` values) over the ranks of ``comm``, sent 1-bit, blocking.
 
     Updates ``worker_error`` and ``server_error`` in place and returns a new tensor, equal on every
     rank. A world of one returns ``flat`` itself: there is nothing to send, so nothing is lost."""
-    if comm.world != layout.world or flat.numel() != layout.numel:
-        raise ValueError(f"layout {layout} does not match a buffer of {flat.numel()} values on {comm.world} ranks")
-    if comm.world == 1:
-        return flat
-    w, k, block = layout.world, layout.blocks_per_chunk, layout.block
-    chunk_bytes = layout.chunk // 8
-    padded = F.pad(flat.reshape(-1).float(), (0, layout.padded - layout.numel))
-    packed, scales = onebit_kernels.compress(padded.view(w * k, block), worker_error.view(w * k, block), impl)
-    send = torch.cat([packed.view(w, chunk_bytes), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
-    recv = torch.empty_like(send)
-    comm.all_to_all_(recv, send, purpose)
-    mine = onebit_kernels.decompress_mean(recv[:, :chunk_bytes].reshape(w, k, block // 8), _floats(recv[:, chunk_bytes:], (w, k)), impl)
-    s_packed, s_scales = onebit_kernels.compress(mine, server_error.view(k, block), impl)
-    message = torch.cat([s_packed.view(-1), s_scales.view(torch.uint8)])
-    gathered = torch.empty(w * message.numel(), dtype=torch.uint8, device=flat.device)
-    comm.all_gather_(gathered, message, purpose)
-    rows = gathered.view(w, -1)
-    out = onebit_kernels.decompress(rows[:, :chunk_bytes].reshape(w * k, block // 8), _floats(rows[:, chunk_bytes:], (w * k,)), impl)
-    return out.view(-1)[: layout.numel]
+    return CompressedAllReduce(flat, worker_error, server_error, layout, comm, purpose, impl).wait()
 
 
 def reduce_scatter_chunk(row: int, block_size: int | None) -> tuple[int, int]:
@@ -223,6 +291,56 @@ def reduce_scatter_chunk(row: int, block_size: int | None) -> tuple[int, int]:
     return math.ceil(row / block_size) * block_size, block_size
 
 
+class CompressedReduceScatter:
+    """The mean over the ranks of row ``comm.rank`` of ``rows`` (fp32 ``[world, n]``), sent 1-bit; started when built,
+    ``wait()`` returns it.
+
+    Each rank adds its ``worker_error`` (fp32 ``[world x chunk]``, see ``reduce_scatter_chunk``) to
+    its rows, compresses them (the error keeps what was lost) and sends row ``r`` to rank ``r`` with
+    one all-to-all (asynchronous); rank ``r`` averages the ``world`` decompressed copies of its row.
+    ZeRO-1 lays its shards out as these rows, so each rank receives exactly its shard."""
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        worker_error: torch.Tensor,
+        block_size: int | None,
+        comm: Collectives,
+        purpose: str = "compressed_gradient",
+        impl: str | None = None,
+    ) -> None:
+        w, row = rows.shape
+        if w != comm.world:
+            raise ValueError(f"{w} rows for a world of {comm.world} ranks")
+        chunk, block = reduce_scatter_chunk(row, block_size)
+        if worker_error.numel() != w * chunk:
+            raise ValueError(f"worker_error holds {worker_error.numel()} values, {w * chunk} expected")
+        self.row, self.chunk, self.block, self.impl = row, chunk, block, impl
+        self._result: torch.Tensor | None = None
+        self._work: dist.Work | None = None
+        if comm.world == 1:
+            self._result = rows[0].float().clone()
+            return
+        k = chunk // block
+        padded = F.pad(rows.float(), (0, chunk - row))
+        packed, scales = onebit_kernels.compress(padded.reshape(w * k, block), worker_error.view(w * k, block), impl)
+        self._send = torch.cat([packed.view(w, chunk // 8), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
+        self._recv = torch.empty_like(self._send)
+        self._work = comm.all_to_all_(self._recv, self._send, purpose, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            assert self._work is not None
+            self._work.wait()
+            w, k, chunk_bytes = self._recv.shape[0], self.chunk // self.block, self.chunk // 8
+            recv = self._recv
+            mine = onebit_kernels.decompress_mean(recv[:, :chunk_bytes].reshape(w, k, self.block // 8), _floats(recv[:, chunk_bytes:], (w, k)), self.impl)
+            self._result = mine.reshape(-1)[: self.row]
+            self._work = None
+            del self._send, self._recv
+        return self._result
+
+
 def compressed_reduce_scatter(
     rows: torch.Tensor,
     worker_error: torch.Tensor,
@@ -231,28 +349,8 @@ def compressed_reduce_scatter(
     purpose: str = "compressed_gradient",
     impl: str | None = None,
 ) -> torch.Tensor:
-    """The mean over the ranks of row ``comm.rank`` of ``rows`` (fp32 ``[world, n]``), sent 1-bit.
-
-    Each rank adds its ``worker_error`` (fp32 ``[world x chunk]``, see ``reduce_scatter_chunk``) to
-    its rows, compresses them (the error keeps what was lost) and sends row ``r`` to rank ``r`` with
-    one all-to-all; rank ``r`` averages the ``world`` decompressed copies of its row. ZeRO-1 lays its
-    shards out as these rows, so each rank receives exactly its shard."""
-    w, row = rows.shape
-    if w != comm.world:
-        raise ValueError(f"{w} rows for a world of {comm.world} ranks")
-    chunk, block = reduce_scatter_chunk(row, block_size)
-    if worker_error.numel() != w * chunk:
-        raise ValueError(f"worker_error holds {worker_error.numel()} values, {w * chunk} expected")
-    if comm.world == 1:
-        return rows[0].float().clone()
-    k = chunk // block
-    padded = F.pad(rows.float(), (0, chunk - row))
-    packed, scales = onebit_kernels.compress(padded.reshape(w * k, block), worker_error.view(w * k, block), impl)
-    send = torch.cat([packed.view(w, chunk // 8), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
-    recv = torch.empty_like(send)
-    comm.all_to_all_(recv, send, purpose)
-    mine = onebit_kernels.decompress_mean(recv[:, : chunk // 8].reshape(w, k, block // 8), _floats(recv[:, chunk // 8 :], (w, k)), impl)
-    return mine.reshape(-1)[:row]
+    """``CompressedReduceScatter``, blocking."""
+    return CompressedReduceScatter(rows, worker_error, block_size, comm, purpose, impl).wait()
 
 
 def _floats(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -111,8 +111,10 @@ class OneBitGradients(DataParallelGradients):
     # -- overlap with backward: each bucket's exchange starts once its gradients are final ---------------------------
     def attach(self, engine: EngineCore) -> None:
         """Start each bucket's exchange from backward (post-accumulate-grad hooks), in a fixed bucket order on every
-        rank: the fp32 all-reduce of a warm-up step asynchronously (waited at the boundary), the compressed exchange of
-        an optimizer with ``exchange_early`` (1-bit Adam, 1-bit LAMB, 0/1 Adam's compressed steps) in the hook."""
+        rank, asynchronously: the fp32 all-reduce of a warm-up step (waited at the boundary), the compressed exchange
+        of an optimizer with ``exchange_early`` (1-bit Adam, 1-bit LAMB, 0/1 Adam's compressed steps; its all-to-all
+        runs while backward goes on, its server half and all-gather start from the next bucket's hook, and the step
+        waits for the results)."""
         if self.world_size == 1:
             return
         self._engine = engine
@@ -145,16 +147,12 @@ class OneBitGradients(DataParallelGradients):
         )
 
     def _fp32_overlapping(self, engine: EngineCore) -> bool:
-        """The coming step averages gradients in fp32 exactly as ``DataParallelGradients.reduce`` would (no
-        communication dtype, pre- or post-division options): its all-reduce may start bucket by bucket. Clipping and
-        the overflow check act on the averaged gradients after the boundary, as without overlap."""
-        config = engine.config
+        """The coming step averages gradients in fp32 (or ``communication_data_type``) as ``DataParallelGradients.reduce``
+        does: its all-reduce may start bucket by bucket, with the same casts and pre-/post-division per element.
+        Clipping and the overflow check act on the averaged gradients after the boundary, as without overlap."""
         return (
             engine.in_engine_backward
             and engine.is_gradient_accumulation_boundary()
-            and engine.communication_data_type is None
-            and not config.prescale_gradients
-            and config.gradient_predivide_factor == 1.0
             and engine.optimizer.needs_averaged_gradients()  # type: ignore[union-attr]
         )
 
@@ -179,12 +177,21 @@ class OneBitGradients(DataParallelGradients):
             self._next -= 1
 
     def _start_fp32(self, engine: EngineCore, b: int) -> None:
-        """Start bucket ``b``'s fp32 all-reduce (async): its gradients and, as ``DataParallelGradients.reduce`` sends,
-        a presence flag per parameter (a parameter no rank used keeps ``grad=None``)."""
+        """Start bucket ``b``'s all-reduce (async): its gradients and, as ``DataParallelGradients.reduce`` sends, a
+        presence flag per parameter (a parameter no rank used keeps ``grad=None``), in ``communication_data_type`` when
+        set, pre-divided as ``prescale_gradients`` / ``gradient_predivide_factor`` say."""
+        config = engine.config
         params = engine.optimizer.buckets[b].params  # type: ignore[union-attr]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [present])
+        if engine.communication_data_type is not None:
+            flat = flat.to(engine.communication_data_type)
+        values = flat[: -len(params)]
+        if config.prescale_gradients:
+            values /= self.world_size
+        elif config.gradient_predivide_factor != 1.0:
+            values /= config.gradient_predivide_factor
         engine.comm_stats.record("data_parallel", "all_reduce", tensor_bytes(flat))
         self._fp32_pending.append((b, dist.all_reduce(flat, group=self.group, async_op=True), flat))
 
@@ -193,6 +200,7 @@ class OneBitGradients(DataParallelGradients):
         while self._next >= 0:
             self._start_fp32(engine, self._next)
             self._next -= 1
+        config = engine.config
         optimizer = engine.optimizer
         names = {id(p): n for n, p in self.module.named_parameters()}
         params: list[nn.Parameter] = []
@@ -202,11 +210,12 @@ class OneBitGradients(DataParallelGradients):
             work.wait()
             bucket_params = optimizer.buckets[b].params  # type: ignore[union-attr]
             values = flat[: -len(bucket_params)]
-            values /= self.world_size
+            if not config.prescale_gradients:
+                values /= self.world_size / config.gradient_predivide_factor
             params += bucket_params
             counts += [round(c) for c in flat[-len(bucket_params) :].tolist()]
             results.append((bucket_params, values))
-        check_unused_parameters([names.get(id(p), "?") for p in params], counts, self.world_size, engine.config.sections.get("zero_optimization"))
+        check_unused_parameters([names.get(id(p), "?") for p in params], counts, self.world_size, config.sections.get("zero_optimization"))
         used = dict(zip(map(id, params), counts))
         for bucket_params, values in results:
             offset = 0
@@ -215,7 +224,7 @@ class OneBitGradients(DataParallelGradients):
                     p.grad = None
                 else:
                     piece = values[offset : offset + p.numel()].view_as(p)
-                    p.grad = piece.clone() if p.grad is None else p.grad.copy_(piece)
+                    p.grad = torch.empty_like(p).copy_(piece) if p.grad is None else p.grad.copy_(piece)  # back in the gradient's dtype
                 offset += p.numel()
 
     def reduce(self, engine: EngineCore) -> None:

@@ -166,7 +166,9 @@ class OneBitLamb(CompressedCommOptimizer):
             pieces = []
             for bucket in self.buckets:
                 if id(bucket) not in self._exchanged:
-                    self._exchange_momentum(bucket)
+                    self._start_momentum_exchange(bucket)
+                for p, mean in zip(bucket.params, self.take_compressed_mean(bucket)):
+                    self.state[p]["exp_avg"].copy_(mean).div_(self.state[p]["scaling_coeff"])
                 pieces += [(p, *self._compressed_update(p, last, step)) for p, last in zip(bucket.params, self._exchanged.pop(id(bucket)))]
             n = len(pieces)
             norms, maxima = self.whole.reduce([prelim for _, prelim, _, _ in pieces] + [update for _, _, update, _ in pieces], [r for *_, r in pieces])
@@ -220,9 +222,10 @@ class OneBitLamb(CompressedCommOptimizer):
             if "exp_avg_sq_fresh" not in state:  # loaded from a warm-up checkpoint saved before freeze_step
                 state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
 
-    def _exchange_momentum(self, bucket: Bucket) -> None:
-        """Fold this rank's gradient into the bucket's scaled momentum, replace it by its 1-bit average over the
-        ranks, unscaled; keep the momentum before (the fresh variance's gradient is reconstructed from both)."""
+    def _start_momentum_exchange(self, bucket: Bucket) -> None:
+        """Fold this rank's gradient into the bucket's scaled momentum and start its 1-bit average over the ranks (the
+        step replaces the momentum by it, unscaled); keep the momentum before (the fresh variance's gradient is
+        reconstructed from both)."""
         if "scaling_coeff" not in self.state[self.buckets[0].params[0]]:
             self._set_momentum_scaling()
         previous = []
@@ -232,8 +235,7 @@ class OneBitLamb(CompressedCommOptimizer):
             previous.append(state["exp_avg"].clone())
             state["exp_avg"].lerp_(grad, 1 - self.group_of(p)["betas"][0]).mul_(state["scaling_coeff"])
             scaled.append(state["exp_avg"])
-        for p, exp_avg, mean in zip(bucket.params, scaled, self.compressed_mean(bucket, scaled, "compressed_momentum")):
-            exp_avg.copy_(mean).div_(self.state[p]["scaling_coeff"])
+        self.start_compressed_mean(bucket, scaled, "compressed_momentum")
         self._exchanged[id(bucket)] = previous
 
     @torch.no_grad()
@@ -244,7 +246,7 @@ class OneBitLamb(CompressedCommOptimizer):
         exchanged."""
         if self.needs_averaged_gradients() or id(bucket) in self._exchanged:
             return False
-        self._exchange_momentum(bucket)
+        self._start_momentum_exchange(bucket)
         return True
 
     def _compressed_update(self, p: torch.nn.Parameter, last: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

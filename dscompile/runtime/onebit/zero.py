@@ -10,10 +10,12 @@ reduce-scattered into the shards' gradients:
   which averages its row. The worker errors are per rank and per bucket and live in the
   optimizer's ``exchange_state`` (so they travel in the rank's checkpoint).
 
-Overlap with backward: on the boundary micro-step of ``engine.backward`` a bucket is exchanged as
-soon as every one of its parameters has its gradient (post-accumulate-grad hooks), in a fixed
-bucket order on every rank (so collectives pair up), and its full gradients are freed at once;
-what no hook exchanged (a parameter without gradient on this rank) is exchanged at the boundary.
+Overlap with backward: on the boundary micro-step of ``engine.backward`` a bucket's exchange starts as
+soon as every one of its parameters has its gradient (post-accumulate-grad hooks), asynchronously, in a
+fixed bucket order on every rank (so collectives pair up), and its full gradients are freed at once
+(the exchange holds its own compressed or fp32 copy); the boundary starts what no hook did (a parameter
+without gradient on this rank), then waits for every bucket in issue order and writes the shards'
+gradients. No hook waits on a collective.
 The momentum update needs only the averaged gradient of the shard, so nothing waits for the end
 of backward. Hooks stand aside (everything is exchanged at the boundary, as before) when the
 step must first see every gradient: fp16 overflow agreement (an overflow must leave the errors
@@ -37,7 +39,7 @@ from torch import nn
 
 from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.engine_core import EngineCore, _agree_any
-from dscompile.runtime.onebit.comm import Collectives, CommStats, compressed_reduce_scatter, reduce_scatter_chunk
+from dscompile.runtime.onebit.comm import Collectives, CommStats, CompressedReduceScatter, reduce_scatter_chunk
 from dscompile.runtime.zero_extension import ZeroGradients
 from dscompile.runtime.zero_shard import ZeroPartition
 
@@ -82,6 +84,9 @@ class OneBitZeroGradients(ZeroGradients):
         self._hooks.clear()
 
     def _reset_pending(self) -> None:
+        self._in_flight: list[tuple[list[int], Any]] = []
+        """``(parameter indices, finish)`` of the bucket exchanges started and not yet written into the shards, in issue
+        order; ``finish()`` waits for the collective and returns the bucket's averaged shard gradient."""
         self._missing = [len(bucket) for bucket in self.buckets]
         self._seen: set[int] = set()
         self._log_open = False
@@ -123,11 +128,24 @@ class OneBitZeroGradients(ZeroGradients):
             self._reset_pending()
 
     def _finish(self, engine: EngineCore) -> None:
+        """Start what backward did not (the same order on every rank), then wait for every bucket in issue order and
+        add its averaged gradient to the shards."""
         while self._next >= 0:
             self._exchange(engine, self._next, during_backward=False)
             self._next -= 1
         for p in self.partition.full_params:
             p.grad = None
+        zero = self.partition
+        for bucket, finish in self._in_flight:
+            mine = finish()
+            offset = 0
+            for i in bucket:
+                length = zero.layouts[i].shard_numel
+                shard = zero.shards[i]
+                piece = mine[offset : offset + length].to(shard.dtype)
+                shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
+                offset += length
+        self._in_flight = []
 
     def _fp32_reduce(self, engine: EngineCore) -> None:
         """ZeRO-1's reduce-scatter (the warm-up), at any stage."""
@@ -156,7 +174,8 @@ class OneBitZeroGradients(ZeroGradients):
 
     @torch.no_grad()
     def _exchange(self, engine: EngineCore, b: int, during_backward: bool) -> None:
-        """Reduce-scatter bucket ``b`` into its shards' gradients (fp32 or 1-bit) and free its full gradients."""
+        """Start bucket ``b``'s reduce-scatter (fp32 or 1-bit, asynchronous) and free its full gradients; the boundary
+        (``_finish``) waits for it and writes the shards' gradients."""
         if not self._log_open:
             self.exchange_log, self._log_open = [], True
         self.exchange_log.append((b, during_backward))
@@ -164,7 +183,7 @@ class OneBitZeroGradients(ZeroGradients):
         bucket = self.buckets[b]
         rows = torch.cat([self._rows(i) for i in bucket], dim=1)  # row r: rank r's ZeRO shard of every parameter in the bucket
         if engine.optimizer.needs_averaged_gradients():  # type: ignore[union-attr]
-            mine = self._fp32_bucket(engine, rows)
+            finish = self._fp32_bucket(engine, rows)
         else:
             scaler = engine.loss_scaler
             scale = float(getattr(scaler, "loss_scale", 1.0)) if scaler is not None else 1.0
@@ -175,17 +194,15 @@ class OneBitZeroGradients(ZeroGradients):
             if errors[b] is None:
                 chunk, _ = reduce_scatter_chunk(rows.shape[1], self.block_size)
                 errors[b] = torch.zeros(zero.world * chunk, device=rows.device)
-            mine = compressed_reduce_scatter(rows, errors[b], self.block_size, self.comm, "compressed_gradient", self.kernel_impl)  # type: ignore[arg-type]
-            if scale != 1.0:
-                mine.mul_(scale)  # the loss scaler unscales the shards next (a power of two: exact)
-        offset = 0
+            exchange = CompressedReduceScatter(rows, errors[b], self.block_size, self.comm, "compressed_gradient", self.kernel_impl)  # type: ignore[arg-type]
+
+            def finish() -> torch.Tensor:
+                mine = exchange.wait()
+                return mine.mul_(scale) if scale != 1.0 else mine  # the loss scaler unscales the shards next (a power of two: exact)
+
+        self._in_flight.append((bucket, finish))
         for i in bucket:
-            length = zero.layouts[i].shard_numel
-            shard = zero.shards[i]
-            piece = mine[offset : offset + length].to(shard.dtype)
-            shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
-            offset += length
-            zero.full_params[i].grad = None  # ZeRO-2: the full gradient is gone as soon as its bucket is exchanged
+            zero.full_params[i].grad = None  # ZeRO-2: the full gradient is gone as soon as its bucket is sent
 
     def _rows(self, i: int) -> torch.Tensor:
         zero = self.partition
@@ -193,8 +210,9 @@ class OneBitZeroGradients(ZeroGradients):
         g = p.grad.reshape(-1) if p.grad is not None else p.new_zeros(layout.numel)
         return F.pad(g, (0, layout.shard_numel * zero.world - layout.numel)).view(zero.world, -1)
 
-    def _fp32_bucket(self, engine: EngineCore, rows: torch.Tensor) -> torch.Tensor:
-        """One bucket of ZeRO-1's fp32 reduce-scatter, operation for operation (the warm-up equals it bitwise)."""
+    def _fp32_bucket(self, engine: EngineCore, rows: torch.Tensor) -> Any:
+        """Start one bucket of ZeRO-1's fp32 reduce-scatter, operation for operation (the warm-up equals it bitwise);
+        returns what waits for it and averages."""
         zero = self.partition
         flat = rows.reshape(-1)
         grad_dtype = flat.dtype
@@ -202,10 +220,17 @@ class OneBitZeroGradients(ZeroGradients):
             flat = flat.to(engine.communication_data_type)
         out = flat.new_empty(flat.numel() // zero.world)
         if zero.world == 1:
-            return out.copy_(flat)
-        with engine.comm_stats.timed("zero", "reduce_scatter", tensor_bytes(flat)):
-            dist.reduce_scatter_tensor(out, flat.contiguous(), group=zero.group)
-        return out.to(grad_dtype).div_(zero.world)
+            out.copy_(flat)
+            return lambda: out
+        flat = flat.contiguous()
+        engine.comm_stats.record("zero", "reduce_scatter", tensor_bytes(flat))
+        work = dist.reduce_scatter_tensor(out, flat, group=zero.group, async_op=True)
+
+        def finish(sent: torch.Tensor = flat) -> torch.Tensor:  # holds the input until the collective is done
+            work.wait()
+            return out.to(grad_dtype).div_(zero.world)
+
+        return finish
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return list(self.partition.shards)

@@ -100,8 +100,6 @@ class ZeroOneAdam(CompressedCommOptimizer):
         """Per group: sum of the step sizes since the last synchronisation."""
         self.decays = [1.0] * len(self.param_groups)
         """Per group: product of the weight-decay factors since the last synchronisation."""
-        self._exchanged_early: dict[int, list[torch.Tensor]] = {}
-        """Buckets whose exchange backward started this step, with its result (averaged gradients or momentum sums)."""
 
     def over_shards(self, param_groups: list[dict[str, Any]]) -> CompressedCommOptimizer:
         """Refused: 0/1 Adam's local steps cannot be represented on ZeRO shards (``ZERO_ONE_ADAM_ZERO_REFUSAL`` says why)."""
@@ -141,8 +139,8 @@ class ZeroOneAdam(CompressedCommOptimizer):
         for bucket in self.buckets:
             if variance_step:
                 grads = self.averaged_gradients(bucket)
-            elif id(bucket) in self._exchanged_early:
-                grads = self._exchanged_early.pop(id(bucket))
+            elif self.has_compressed_mean(bucket):  # backward started it
+                grads = self.take_compressed_mean(bucket)
             else:
                 grads = self.compressed_mean(bucket, self.local_gradients(bucket), "compressed_gradient")
             for p, grad in zip(bucket.params, grads):
@@ -185,8 +183,8 @@ class ZeroOneAdam(CompressedCommOptimizer):
             self.lr_sums[i] += group["lr"] / bc1
             self.decays[i] *= 1 - group["lr"] * group["weight_decay"]
         for bucket in self.buckets:
-            if id(bucket) in self._exchanged_early:  # a sync step whose exchange backward started
-                averaged_sums = self._exchanged_early.pop(id(bucket))
+            if self.has_compressed_mean(bucket):  # a sync step whose exchange backward started
+                averaged_sums = self.take_compressed_mean(bucket)
             else:
                 for p, grad in zip(bucket.params, self.local_gradients(bucket)):
                     group = self.group_of(p)
@@ -237,15 +235,15 @@ class ZeroOneAdam(CompressedCommOptimizer):
         local steps (nothing to send) return False. The coming ``step()`` must use these gradients unchanged (the
         caller checks: no clipping, no overflow skip)."""
         step = self.global_step + 1
-        if id(bucket) in self._exchanged_early or self.needs_averaged_gradients() or (self.var_frozen and not self.is_sync_step(step)):
+        if self.has_compressed_mean(bucket) or self.needs_averaged_gradients() or (self.var_frozen and not self.is_sync_step(step)):
             return False
         if not self.var_frozen:
-            self._exchanged_early[id(bucket)] = self.compressed_mean(bucket, self.local_gradients(bucket), "compressed_gradient")
+            self.start_compressed_mean(bucket, self.local_gradients(bucket), "compressed_gradient")
             return True
         for p, grad in zip(bucket.params, self.local_gradients(bucket)):
             self._fold_gradient(p, grad, step)
         sums = [self.state[p]["momentum_accumulator"] for p in bucket.params]
-        self._exchanged_early[id(bucket)] = self.compressed_mean(bucket, sums, "compressed_momentum")
+        self.start_compressed_mean(bucket, sums, "compressed_momentum")
         return True
 
     def _state(self, p: torch.nn.Parameter) -> dict[str, Any]:
