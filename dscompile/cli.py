@@ -215,7 +215,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from dscompile.config import load_config
-    from dscompile.planner import plan_optimizer_offload, plan_param_offload, zero_parameters
+    from dscompile.planner import non_shard_device_bytes, plan_optimizer_offload, plan_param_offload, zero_parameters
     from dscompile.runtime.offload.optimizer import state_bytes_per_element
     from dscompile.runtime.optimizers import build_optimizer
 
@@ -236,28 +236,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.target}: the model has no trainable parameters")
     threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
     params = zero_parameters(named, zc.stage, args.world, threshold, zc.stage3_model_persistence_threshold if zc.stage == 3 else None)
-    if param_offload:
-        op = zc.offload_param
-        print(plan_param_offload(params, args.world, op.device, 4, op.buffer_count, op.buffer_size, op.max_in_cpu).table())
-        if not optimizer_offload:
-            return 0
     if config.optimizer is not None:
         probe = torch.nn.Parameter(torch.zeros(1))
         per_element = state_bytes_per_element(build_optimizer(config.optimizer, [probe]))
     else:
         per_element = 8
         print("no optimizer section: planning for Adam's 8 bytes of state per element")
-    plan = plan_optimizer_offload(
-        params,
-        stage=zc.stage,
-        world=args.world,
-        device=zc.offload_optimizer.device,
-        state_bytes_per_element=per_element,
-        ratio=float(zc.offload_optimizer.ratio),
-        limit=int(zc.offload_memory_limit),
-        host_is_device=not torch.cuda.is_available(),
-    )
-    print(plan.table())
+    host_is_device = not torch.cuda.is_available()
+    plan = None
+    if optimizer_offload:
+        plan = plan_optimizer_offload(
+            params,
+            stage=zc.stage,
+            world=args.world,
+            device=zc.offload_optimizer.device,
+            state_bytes_per_element=per_element,
+            ratio=float(zc.offload_optimizer.ratio),
+            limit=int(zc.offload_memory_limit),
+            host_is_device=host_is_device,
+        )
+    if param_offload:  # the engine's order: the optimizer's plan first, the shards then fill what is left under the limit
+        op = zc.offload_param
+        other = non_shard_device_bytes(params, 4, plan, per_element)
+        print(
+            plan_param_offload(
+                params, args.world, op.device, 4, op.buffer_count, op.buffer_size, op.max_in_cpu, int(zc.offload_memory_limit), other, host_is_device
+            ).table()
+        )
+    if plan is not None:
+        print(plan.table())
     return 0
 
 

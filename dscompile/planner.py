@@ -11,7 +11,8 @@ as a table (``dscompile plan``, the engine's log): per parameter its bytes, wher
 when they move, and the predicted peak of model states per device.
 
 ``plan_param_offload`` places ZeRO-3's parameter shards (``zero_optimization.offload_param``): every
-partitioned shard goes to the host or NVMe (persistent, kept-whole parameters stay on the device), and
+partitioned shard goes to the host or NVMe (persistent, kept-whole parameters stay on the device), or under
+``offload_memory_limit`` only the shards that do not fit beside the other model states, and
 it sets the read-ahead distance (how many shards are read ahead of their all-gather, in the order the
 graphs use them) from ``buffer_count``, capped so the shards in flight stay within ``buffer_count x
 buffer_size`` and ``max_in_cpu`` elements (at least one shard is always read).
@@ -178,6 +179,17 @@ def zero_parameters(
     return params
 
 
+def non_shard_device_bytes(
+    params: list[PlannedParameter], bytes_per_element: int, optimizer_plan: OffloadPlan | None = None, state_bytes_per_element: int = 8
+) -> int:
+    """ZeRO-3's model-state bytes per rank on the device besides the partitioned parameter shards: gradients,
+    kept-whole parameters, and the optimizer states the optimizer's offload plan keeps (all of them without one)."""
+    fixed = fixed_model_state_bytes(params, 3) - sum(bytes_per_element * p.shard_numel for p in params if not p.full_copy)
+    if optimizer_plan is not None:
+        return fixed + optimizer_plan.device_bytes - optimizer_plan.fixed_bytes
+    return fixed + state_bytes_per_element * sum(p.shard_numel for p in params)
+
+
 @dataclass
 class ParamPlan:
     """Where each ZeRO-3 parameter shard lives, and how far ahead of its gather it is read."""
@@ -187,6 +199,9 @@ class ParamPlan:
     rows: list[PlanRow] = field(default_factory=list)
     prefetch_distance: int = 1
     window_elements: int = 0  # the cap on elements read ahead (buffer_count x buffer_size, max_in_cpu)
+    limit: int = 0  # bytes of model states per rank (offload_memory_limit); 0: none, every partitioned shard moves
+    other_device_bytes: int = 0  # model-state bytes per rank on the device besides the partitioned shards
+    kept_bytes: int = 0  # partitioned shards the limit leaves on the device
 
     @property
     def offloaded_names(self) -> list[str]:
@@ -196,13 +211,23 @@ class ParamPlan:
     def offloaded_bytes(self) -> int:
         return sum(r.state_bytes for r in self.rows if r.placement != "device")
 
+    @property
+    def device_bytes(self) -> int:
+        """Predicted model-state bytes per rank on the device (what the limit is compared with)."""
+        return self.other_device_bytes + self.kept_bytes
+
     def table(self) -> str:
         title = (
             f"parameter offload plan: ZeRO-3, world {self.world}, offload_param.device={self.device}, "
-            f"read ahead {self.prefetch_distance} shard(s) (window {self.window_elements} elements)"
+            f"read ahead {self.prefetch_distance} shard(s) (window {self.window_elements} elements), "
+            f"limit {_mib(self.limit) if self.limit > 0 else 'none'} per rank"
         )
         lines = _placement_table(title, "shard bytes", self.rows)
         lines.append(f"parameter shards offloaded per rank: {_mib(self.offloaded_bytes)}")
+        if self.limit > 0:
+            lines.append(f"predicted model states per rank on the device: {_mib(self.device_bytes)}")
+            if self.device_bytes > self.limit:
+                lines.append(f"WARNING: {_mib(self.device_bytes)} exceeds the limit {_mib(self.limit)} even with every shard offloaded")
         return "\n".join(lines)
 
 
@@ -214,23 +239,43 @@ def plan_param_offload(
     buffer_count: int = 5,
     buffer_size: int = 100_000_000,
     max_in_cpu: int = 1_000_000_000,
+    limit: int = 0,
+    other_device_bytes: int = 0,
+    host_is_device: bool = False,
 ) -> ParamPlan:
-    """Place every partitioned (not kept-whole) ZeRO-3 shard on ``device`` and size the read-ahead window."""
+    """Place the partitioned (not kept-whole) ZeRO-3 shards on the device or ``device`` and size the read-ahead window.
+
+    No limit: every partitioned shard moves (DeepSpeed's behaviour). A limit (bytes of model states per rank, with
+    ``other_device_bytes`` already on the device: gradients, kept-whole parameters, the optimizer states the optimizer
+    plan keeps): shards stay on the device in parameter order while they fit, the rest move; with a limit that holds
+    everything nothing moves. Moving shards to the host frees nothing when the host is the device, so then none do.
+    """
     window = max(1, min(int(buffer_count) * int(buffer_size), int(max_in_cpu)))
-    plan = ParamPlan(device=device, world=world, window_elements=window)
+    plan = ParamPlan(device=device, world=world, window_elements=window, limit=int(limit), other_device_bytes=int(other_device_bytes))
     placement = "host" if device == "cpu" else "nvme"
     moves = {
         "cpu": "host→device copy before its all-gather (forward and backward); device→host after the step",
         "nvme": "read ahead of its all-gather (forward and backward), freed after it; written back after the step",
     }[device]
+    if limit <= 0:
+        budget = None
+    elif device == "cpu" and host_is_device:
+        budget = float("inf")
+    else:
+        budget = limit - other_device_bytes
+    kept = 0
     shards = []
     for p in params:
         nbytes = bytes_per_element * p.shard_numel
         if p.full_copy or p.shard_numel == 0:
             plan.rows.append(PlanRow(p.name, nbytes, "device", "kept whole on every rank (persistent)"))
+        elif budget is not None and kept + nbytes <= budget:
+            kept += nbytes
+            plan.rows.append(PlanRow(p.name, nbytes, "device", "fits under offload_memory_limit: stays on the device"))
         else:
             plan.rows.append(PlanRow(p.name, nbytes, placement, moves))
             shards.append(p.shard_numel)
+    plan.kept_bytes = kept
     largest = sorted(shards, reverse=True)
     distance = 0
     while distance < min(int(buffer_count), len(largest)) and sum(largest[: distance + 1]) <= window:

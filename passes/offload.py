@@ -31,8 +31,10 @@ How each key is used:
 - ``zero_optimization.sub_group_size``: the NVMe tile, in elements (as in DeepSpeed's swapper).
 - ``zero_optimization.offload_memory_limit`` (dscompile's own; bytes of model states per rank, 0 = no
   limit): the planner (``dscompile/planner.py``) offloads only the optimizer states that do not fit
-  under it (none when everything fits), never more than ``ratio``; its plan table is logged at start,
-  written to ``DUMP/offload_plan.txt`` when a dump directory is set, and printed by ``dscompile plan``.
+  under it (none when everything fits), never more than ``ratio``, and then, with ``offload_param``,
+  only the ZeRO-3 parameter shards that still do not fit; its plan tables are logged at start,
+  written to ``DUMP/offload_plan.txt`` / ``DUMP/param_offload_plan.txt`` when a dump directory is set,
+  and printed by ``dscompile plan``.
 
 The top-level ``aio`` section tunes the swap I/O: ``block_size`` (bytes per read/write call),
 ``intra_op_parallelism`` / ``thread_count`` (I/O threads: the larger is used; 4 when neither is set). ``queue_depth``,
@@ -49,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.planner import OffloadPlan, ParamPlan, PlannedParameter, plan_optimizer_offload, plan_param_offload
+from dscompile.planner import OffloadPlan, ParamPlan, PlannedParameter, non_shard_device_bytes, plan_optimizer_offload, plan_param_offload
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 
 log = logging.getLogger("dscompile.passes.offload")
@@ -213,10 +215,16 @@ class OptimizerOffload(EngineExtension):
         )
         chosen = [shards[name] for name in self.plan.offloaded_names]
         self.optimizer = OffloadedOptimizer(engine.optimizer, zero.shards, settings, rank=zero.rank, chosen=chosen)
+        # device->host gradient copies start from backward, on the micro-step that ends a batch
+        self.optimizer.copy_gradients_during_backward(engine.is_gradient_accumulation_boundary)
         engine.optimizer = self.optimizer
 
     def counters(self) -> dict[str, Any]:
         return self.optimizer.counters() if self.optimizer is not None else {}
+
+    def destroy(self, engine: EngineCore) -> None:
+        if self.optimizer is not None:
+            self.optimizer.detach_gradient_copies()
 
 
 @register_engine_extension(11, "zero_offload")
@@ -248,14 +256,18 @@ class ParamOffload(EngineExtension):
         if zero is None or zero.stage != 3 or not isinstance(target, ZeroModule):
             raise DSCompileConfigError("zero_optimization.offload_param", "needs ZeRO stage 3 (partitioned parameters)", "set zero_optimization.stage to 3")
         op = self.zc.offload_param
+        planned = [PlannedParameter(layout.name, layout.numel, layout.shard_numel, layout.persistent) for layout in zero.layouts]
         self.plan = plan_param_offload(
-            [PlannedParameter(layout.name, layout.numel, layout.shard_numel, layout.persistent) for layout in zero.layouts],
+            planned,
             world=zero.world,
             device=op.device,
             bytes_per_element=zero.shards[0].element_size(),
             buffer_count=op.buffer_count,
             buffer_size=op.buffer_size,
             max_in_cpu=op.max_in_cpu,
+            limit=int(self.zc.offload_memory_limit),
+            other_device_bytes=self._other_device_bytes(engine, planned, zero.shards[0].element_size()),
+            host_is_device=all(s.device.type == "cpu" for s in zero.shards),
         )
         if zero.rank == 0:
             log.info("%s", self.plan.table())
@@ -283,6 +295,16 @@ class ParamOffload(EngineExtension):
         elif engine.optimizer is not None:
             engine.optimizer.step = _shard_by_shard(engine.optimizer, self.store)
         zero.residency = self.store.resident  # full parameters and checkpoints read and write the shards' values
+
+    @staticmethod
+    def _other_device_bytes(engine: EngineCore, planned: list[PlannedParameter], shard_bytes: int) -> int:
+        from dscompile.runtime.offload.optimizer import state_bytes_per_element
+
+        optimizer_plan = getattr(engine.extension("zero_offload"), "plan", None)  # configured first (order 11)
+        if optimizer_plan is not None:
+            return non_shard_device_bytes(planned, shard_bytes, optimizer_plan)
+        per_element = state_bytes_per_element(engine.optimizer) if engine.optimizer is not None else 0
+        return non_shard_device_bytes(planned, shard_bytes, None, per_element)
 
     def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
         self.store.end_step()

@@ -82,7 +82,8 @@ class ZeroConfig:
     works with stages 1-3, and then ``sub_group_size`` is the NVMe swap tile in elements;
     ``offload_memory_limit`` (dscompile's own, bytes per rank, 0 = none) lets the planner offload only
     what does not fit. ``offload_param`` (stage 3 only; ``passes/offload.py``) keeps the ZeRO-3
-    parameter shards on the host or in NVMe swap files, read just before their all-gather.
+    parameter shards on the host or in NVMe swap files, read just before their all-gather (under
+    ``offload_memory_limit`` only the shards that do not fit).
     ZeRO++, ZenFlow and MiCS are refused.
     """
 
@@ -169,11 +170,14 @@ class ZeroConfig:
         if self.offload_memory_limit != int(self.offload_memory_limit) or self.offload_memory_limit < 0:
             raise DSCompileConfigError(f"{path}.offload_memory_limit", f"must be a whole number of bytes >= 0, got {self.offload_memory_limit}")
         self.offload_memory_limit = int(self.offload_memory_limit)
-        if self.offload_memory_limit > 0 and (self.offload_optimizer is None or not self.offload_optimizer.enabled):
+        offloading = any(section is not None and section.enabled for section in (self.offload_optimizer, self.offload_param))
+        if self.offload_memory_limit > 0 and not offloading:
             raise DSCompileConfigError(
                 f"{path}.offload_memory_limit",
-                "caps the model states kept on the device by offloading optimizer states, but offload_optimizer.device is none",
-                'say where states may go: "offload_optimizer": {"device": "cpu"} or {"device": "nvme", "nvme_path": ...}',
+                "caps the model states kept on the device by offloading optimizer states or parameter shards, but "
+                "offload_optimizer.device and offload_param.device are none",
+                'say where states may go: "offload_optimizer": {"device": "cpu"} or {"device": "nvme", "nvme_path": ...} '
+                "(and, at stage 3, the same under offload_param)",
             )
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             raise DSCompileConfigError(

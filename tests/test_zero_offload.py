@@ -608,3 +608,39 @@ def test_offload_refuses_a_one_bit_optimizer(tmp_path) -> None:
     }
     with pytest.raises(DSCompileConfigError, match="offload_optimizer"):
         dscompile.initialize(model=torch.nn.Linear(4, 2), config=config)
+
+
+@pytest.mark.parametrize("clip", [0.0, CLIP])
+def test_gradients_go_to_the_host_during_backward(clip: float) -> None:
+    """With host masters separate from the shards (what an accelerator run has; offload_param forces it here), each
+    shard's gradient is copied to the host from its post-accumulate-grad hook during backward. The step copies only
+    what changed since: nothing in fp32 without clipping, every gradient after clipping scaled them in place. Bitwise
+    the same training as without offload either way."""
+    runs = {}
+    for name, extra in {
+        "none": {},
+        "offload": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+    }.items():
+        torch.manual_seed(0)
+        case = _case("gpt")
+        config = _config(3, 1, clip, {"sub_group_size": TILE, **extra})
+        config["lower"] = "eager"
+        config["optimizer"]["params"]["foreach"] = False
+        engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
+        copies = []
+        for _ in range(3):
+            loss = engine(*_micro_batch(case, engine.global_steps, 0, 0))
+            engine.backward(loss)
+            if name == "offload":
+                copies.append(dict(engine.optimizer.gradient_copies))  # before the step: only backward's copies
+            engine.step()
+        runs[name] = {"params": engine.full_parameters(), "copies": copies}
+        if name == "offload":
+            runs[name]["after"] = dict(engine.optimizer.gradient_copies)
+            runs[name]["host_mastered"] = len(engine.optimizer._host_grads)
+    shards = runs["offload"]["host_mastered"]
+    assert shards > 3
+    assert [c["during_backward"] for c in runs["offload"]["copies"]] == [shards, 2 * shards, 3 * shards]
+    assert runs["offload"]["after"]["at_step"] == (3 * shards if clip else 0)
+    for name, value in runs["none"]["params"].items():
+        assert torch.equal(runs["offload"]["params"][name], value), name

@@ -24,7 +24,7 @@ from test_zero_offload import STEPS, TILE, _train
 
 import dscompile
 from dscompile.errors import DSCompileConfigError
-from dscompile.planner import PlannedParameter, plan_param_offload
+from dscompile.planner import PlannedParameter, non_shard_device_bytes, plan_param_offload
 from dscompile.runtime.offload import SwapError
 from dscompile.runtime.offload.swap import align_up
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
@@ -290,3 +290,58 @@ def test_cli_plan_and_dump_list_the_parameter_shards(tmp_path: Path, capsys: pyt
     dscompile.initialize(model=_case("gpt").model, config=cfg)
     table = (dump / "param_offload_plan.txt").read_text()
     assert "offload_param.device=cpu" in table and "wte.weight" in table and " host " in table
+
+
+def test_planner_offloads_only_the_shards_that_do_not_fit() -> None:
+    """Under offload_memory_limit the shards stay on the device in parameter order while they fit beside the other
+    model states; the rest move. A limit that holds everything moves nothing; none moves to a host that is the device."""
+    params = [PlannedParameter("a", 1000, 500, False), PlannedParameter("b", 10, 5, True), PlannedParameter("c", 400, 200, False)]
+    other = non_shard_device_bytes(params, 4, None, 8)
+    # gradients (4 B/elt of every shard) + the kept-whole parameter and its shard + Adam's states (8 B/elt of every shard)
+    assert other == 4 * 705 + 4 * (10 + 5) + 8 * 705
+    everything = other + 4 * 700
+    roomy = plan_param_offload(params, 2, "nvme", limit=everything, other_device_bytes=other)
+    assert roomy.offloaded_names == [] and roomy.device_bytes == everything
+    tight = plan_param_offload(params, 2, "nvme", limit=everything - 1, other_device_bytes=other)
+    assert tight.offloaded_names == ["c"] and tight.device_bytes <= tight.limit
+    tighter = plan_param_offload(params, 2, "nvme", limit=other + 4 * 200, other_device_bytes=other)
+    assert tighter.offloaded_names == ["a"] and tighter.device_bytes == tighter.limit  # "a" does not fit; "c" still does
+    assert plan_param_offload(params, 2, "nvme").offloaded_names == ["a", "c"]  # no limit: every partitioned shard
+    assert plan_param_offload(params, 2, "cpu", limit=1, other_device_bytes=other, host_is_device=True).offloaded_names == []
+    assert "WARNING" in plan_param_offload(params, 2, "nvme", limit=1, other_device_bytes=other).table()
+
+
+def test_engine_offloads_only_the_shards_over_the_limit(tmp_path: Path) -> None:
+    """One process, ZeRO-3, parameters to NVMe under a limit: with room for everything nothing is written; with room
+    for all but about a third of the shards, just those go to files; training is bitwise the same in every case."""
+    from test_zero import _case, _config
+
+    runs = {}
+    base, case = _engine(None, None)
+    runs["none"] = _train(base, case, 0, 3), base.full_parameters()
+    layouts = [PlannedParameter(lay.name, lay.numel, lay.shard_numel, lay.persistent) for lay in base.zero.layouts]
+    other = non_shard_device_bytes(layouts, 4, None, 8)
+    shard_bytes = [4 * p.shard_numel for p in layouts if not p.full_copy]
+    limits = {"roomy": other + sum(shard_bytes), "tight": other + (2 * sum(shard_bytes)) // 3}
+    offloaded = {}
+    for name, limit in limits.items():
+        root = tmp_path / name
+        root.mkdir()
+        torch.manual_seed(0)
+        case = _case("gpt")
+        zero = {"sub_group_size": TILE, "offload_param": {"device": "nvme", "nvme_path": str(root)}, "offload_memory_limit": limit}
+        config = _config(3, 1, CLIP, zero)
+        config["lower"] = "eager"
+        config["optimizer"]["params"]["foreach"] = False
+        engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
+        ext = engine.extension("zero_offload_param")
+        offloaded[name] = (ext.plan.offloaded_names, len(ext.store.indices), sorted(p.name for p in (root / "rank_0").glob("param_*.swp")))
+        assert ext.plan.device_bytes <= limit
+        runs[name] = _train(engine, case, 0, 3), engine.full_parameters()
+    assert offloaded["roomy"] == ([], 0, [])
+    names, count, files = offloaded["tight"]
+    assert 0 < count == len(names) == len(files) < len(shard_bytes)
+    for name in limits:
+        assert runs[name][0] == runs["none"][0], name
+        for key, value in runs["none"][1].items():
+            assert torch.equal(runs[name][1][key], value), (name, key)

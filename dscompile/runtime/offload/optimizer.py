@@ -9,8 +9,12 @@ this class is that optimizer, so the engine, LR schedulers and checkpoints see t
   them, the rest is stepped in place on the device by a device optimizer of the same class;
 - ``device: cpu``: masters and states stay in host memory (pinned when ``pin_memory`` and CUDA
   exists). Gradients are copied device→host into a host buffer, the host steps, parameters are copied
-  back. Where the shard already lives in host memory as fp32 (a CPU-only run) it is its own master:
-  nothing is copied. Masters are fp32 whatever the shard's dtype (DeepSpeed's fp32 master weights;
+  back. With ``copy_gradients_during_backward`` each shard's gradient is copied from its
+  post-accumulate-grad hook, as soon as backward has produced it (ZeRO-2/3 reduce-scatter in the
+  backward graphs, so the copy of an early bucket overlaps the rest of backward); the step copies
+  again only a gradient changed since (unscaled, clipped) or never copied (ZeRO-1 reduces at the step).
+  Where the shard already lives in host memory as fp32 (a CPU-only run) it is its own master: nothing
+  is copied. Masters are fp32 whatever the shard's dtype (DeepSpeed's fp32 master weights;
   dscompile's shards are fp32 already under ``bf16``/``fp16``, the graphs cast);
 - ``device: nvme``: the offloaded elements are cut into tiles of ``sub_group_size`` elements; each tile
   is one file under ``nvme_path/rank_N`` holding its masters and every element-wise optimizer state.
@@ -170,6 +174,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.host_opt: torch.optim.Optimizer | None = None
         self._versions: dict[int, int] = {}
         self.host_step_seconds = 0.0
+        self._copied: dict[int, tuple[torch.Tensor, int]] = {}
+        """Shard index -> (the gradient copied to the host during backward, its version then)."""
+        self.gradient_copies = {"during_backward": 0, "at_step": 0}
+        self._copy_hooks: list[Any] = []
         # offload_param: a context manager making the given shards' values resident (their storage is released
         # between uses); the step holds only the shards of the tile it steps.
         self.residency: Any = None
@@ -187,6 +195,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for i in self.offloaded:
             self._versions[i] = self.shards[i]._version
         self._publish_states()
+
+    def copy_gradients_during_backward(self, when: Any) -> None:
+        """Copy each host-mastered shard's gradient to the host from its post-accumulate-grad hook whenever ``when()``
+        is true then (the engine passes "this backward ends a batch": earlier micro-steps' gradients still change)."""
+        for i in getattr(self, "_host_grads", {}):
+            shard = self.shards[i]
+            self._copy_hooks.append(shard.register_post_accumulate_grad_hook(lambda p, i=i: self._copy_gradient(i, p) if when() else None))
+
+    def detach_gradient_copies(self) -> None:
+        for handle in self._copy_hooks:
+            handle.remove()
+        self._copy_hooks.clear()
+
+    @torch.no_grad()
+    def _copy_gradient(self, i: int, shard: torch.Tensor) -> None:
+        grad = shard.grad
+        if grad is None:
+            return
+        host = self._host_grads[i]
+        host.copy_(grad.detach(), non_blocking=host.is_pinned())
+        self._copied[i] = (grad, grad._version)  # the reference keeps the tensor (and so its identity) until the step
+        self.gradient_copies["during_backward"] += 1
 
     def _publish_states(self) -> None:
         """``self.state``: the states held in memory, by shard (device ones; host ones for cpu offload), for memory accounting."""
@@ -334,13 +364,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if self._stale(piece):
                 with self._resident([piece.shard]):
                     piece.master.copy_(shard.detach())
+            copied = self._copied.get(piece.shard)
             if shard.grad is None:
                 piece.master.grad = None
+            elif copied is not None and copied[0] is shard.grad and copied[1] == shard.grad._version:
+                piece.master.grad = self._host_grads[piece.shard]  # copied during backward and unchanged since
             else:
                 host_grad = self._host_grads[piece.shard]
                 host_grad.copy_(shard.grad.detach(), non_blocking=host_grad.is_pinned())
                 piece.master.grad = host_grad
+                self.gradient_copies["at_step"] += 1
             copies.append(piece)
+        self._copied.clear()
         if copies and torch.cuda.is_available():
             torch.cuda.synchronize()
         self.host_opt.step()
@@ -554,6 +589,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "offloaded_elements": self.offloaded_elements,
             "device_elements": sum(self.shards[i].numel() for i in self.on_device),
             "host_step_seconds": self.host_step_seconds,
+            "gradient_copies": dict(self.gradient_copies),
         }
         if self.swap is not None:
             out.update(
