@@ -644,3 +644,27 @@ def test_gradients_go_to_the_host_during_backward(clip: float) -> None:
     assert runs["offload"]["after"]["at_step"] == (3 * shards if clip else 0)
     for name, value in runs["none"]["params"].items():
         assert torch.equal(runs["offload"]["params"][name], value), name
+
+
+def test_cpu_offload_keeps_the_fused_host_step(tmp_path: Path) -> None:
+    """Adam/AdamW with no implementation chosen: ZeRO steps its shards with torch's fused kernel, and cpu offload
+    (whole shards, stepped on the host) keeps it (the fast CPU step), bitwise equal to no offload; nvme offload
+    (tiles of shards) steps with the loop, since the fused kernel's rounding depends on the position in a tensor."""
+    runs = {}
+    for name, offload in {"none": None, "cpu": {"device": "cpu"}, "nvme": {"device": "nvme", "nvme_path": None}}.items():
+        torch.manual_seed(0)
+        case = _case("gpt")
+        zero: dict[str, Any] = {"sub_group_size": TILE}
+        if offload is not None:
+            if offload["device"] == "nvme":
+                offload["nvme_path"] = str(tmp_path)
+            zero["offload_optimizer"] = offload
+        config = _config(2, 1, 0.0, zero)
+        config["lower"] = "eager"
+        engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
+        inner = engine.optimizer.host_opt if offload is not None else engine.optimizer
+        runs[name] = {"fused": [g.get("fused") for g in inner.param_groups], "losses": _train(engine, case, 0, 3), "params": engine.full_parameters()}
+    assert set(runs["none"]["fused"]) == {True} and set(runs["cpu"]["fused"]) == {True} and set(runs["nvme"]["fused"]) == {None}
+    assert runs["cpu"]["losses"] == runs["none"]["losses"]
+    for key, value in runs["none"]["params"].items():
+        assert torch.equal(runs["cpu"]["params"][key], value), key
