@@ -8,11 +8,14 @@ lowering (Inductor) compiles the split graphs.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
 import torch
 
+from dscompile.errors import DSCompileConfigError
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
 CASES: dict[str, dict[str, Any]] = {
@@ -202,7 +205,17 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
             ref_opt.step()
             ref_opt.zero_grad()
         full = engine.full_parameters()
+        refusal = ""
+        if zero:
+            directory = tempfile.mkdtemp(prefix="dscompile-tp-zero-")
+            try:
+                engine.save_checkpoint(directory)
+            except DSCompileConfigError as exc:
+                refusal = str(exc)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
         out[zero] = {
+            "refusal": refusal,
             "tp_ranks": groups.tp_ranks,
             "dp_ranks": groups.dp_ranks,
             "dp_world": engine.data_parallel_world_size(),
@@ -225,6 +238,8 @@ def test_tp2_times_dp2_on_4_ranks() -> None:
         assert [r["dp_ranks"] for r in rows] == [[0, 2], [1, 3], [0, 2], [1, 3]]
         for r in rows:
             assert r["dp_world"] == 2 and r["zero_world"] == (2 if zero else None)
+            if zero:  # refused alike on every rank, naming the key and what to do instead
+                assert "tensor_parallel" in r["refusal"] and "save_16bit_model" in r["refusal"], r["refusal"]
             assert r["param_err"] < 1e-3, (zero, r["param_err"])  # AdamW: 1e-3 relative
             assert r["same_optimizer"], zero  # the optimizer initialize returned is the one stepped (ZeRO moved it in place)
             for step, (norm, ref_norm) in enumerate(r["norms"]):  # after one AdamW step: 1e-3, as the parameters

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy, scale_gradients_to_norm
@@ -333,7 +334,13 @@ class TensorParallelOver(GradientStrategy):
         return self.inner.failure_context(rank, what)
 
     def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
-        raise NotImplementedError("checkpoints of tensor parallelism under ZeRO are not built yet")
+        """Refused on every rank alike (before anything is written): the ZeRO shard files of TP slices have no format yet."""
+        raise DSCompileConfigError(
+            "tensor_parallel",
+            "checkpoints of tensor parallelism under ZeRO (zero_optimization.stage >= 1) are not built yet",
+            "save the trained weights with engine.full_parameters() or engine.save_16bit_model(), or train TP without ZeRO "
+            "(its per-TP-rank checkpoints resume and consolidate)",
+        )
 
 
 def tp_file_name(tp_rank: int) -> str:
