@@ -59,20 +59,11 @@ class DataParallelGradients(GradientStrategy):
         if self.world_size == 1 or not params:
             return
         config = engine.config
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [present])
-        if engine.communication_data_type is not None:
-            flat = flat.to(engine.communication_data_type)  # copied back into each gradient's dtype below
+        flat, grads = self.reduce_buffer(engine, params)
         values = flat[: -len(params)]
-        if config.prescale_gradients:
-            values /= self.world_size
-        elif config.gradient_predivide_factor != 1.0:
-            values /= config.gradient_predivide_factor
         with engine.comm_stats.timed("data_parallel", "all_reduce", tensor_bytes(flat)):
             dist.all_reduce(flat, group=self.group)
-        if not config.prescale_gradients:
-            values /= self.world_size / config.gradient_predivide_factor
+        self.finish_average(engine, values)
         counts = [round(c) for c in flat[-len(params) :].tolist()]
         names = {id(p): n for n, p in self.module.named_parameters()}
         check_unused_parameters([names.get(id(p), "?") for p in params], counts, self.world_size, config.sections.get("zero_optimization"))
@@ -84,6 +75,30 @@ class DataParallelGradients(GradientStrategy):
                 g.copy_(values[offset : offset + g.numel()].view_as(g))
                 p.grad = g
             offset += g.numel()
+
+    def reduce_buffer(self, engine: EngineCore, params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What ``reduce`` all-reduces for ``params``: their gradients (zeros where missing, returned as ``grads``)
+        and a has-a-gradient flag each in one flat buffer, in ``communication_data_type`` when set (copied back into
+        each gradient's dtype after), the gradients pre-divided as ``prescale_gradients`` /
+        ``gradient_predivide_factor`` say. The 1-bit strategy sends it bucket by bucket."""
+        config = engine.config
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [present])
+        if engine.communication_data_type is not None:
+            flat = flat.to(engine.communication_data_type)
+        values = flat[: -len(params)]
+        if config.prescale_gradients:
+            values /= self.world_size
+        elif config.gradient_predivide_factor != 1.0:
+            values /= config.gradient_predivide_factor
+        return flat, grads
+
+    def finish_average(self, engine: EngineCore, values: torch.Tensor) -> None:
+        """The summed gradients in ``values`` (in place) into their mean: what pre-division left to do."""
+        config = engine.config
+        if not config.prescale_gradients:
+            values /= self.world_size / config.gradient_predivide_factor
 
     def failure_context(self, rank: int, what: str) -> contextlib.AbstractContextManager[None]:
         """On several ranks a failed collective means a dead, stalled or diverged peer: say so."""

@@ -177,21 +177,10 @@ class OneBitGradients(DataParallelGradients):
             self._next -= 1
 
     def _start_fp32(self, engine: EngineCore, b: int) -> None:
-        """Start bucket ``b``'s all-reduce (async): its gradients and, as ``DataParallelGradients.reduce`` sends, a
-        presence flag per parameter (a parameter no rank used keeps ``grad=None``), in ``communication_data_type`` when
-        set, pre-divided as ``prescale_gradients`` / ``gradient_predivide_factor`` say."""
-        config = engine.config
+        """Start bucket ``b``'s all-reduce (async) of what ``DataParallelGradients.reduce`` sends for it
+        (``reduce_buffer``: gradients and presence flags, cast and pre-divided as configured)."""
         params = engine.optimizer.buckets[b].params  # type: ignore[union-attr]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [present])
-        if engine.communication_data_type is not None:
-            flat = flat.to(engine.communication_data_type)
-        values = flat[: -len(params)]
-        if config.prescale_gradients:
-            values /= self.world_size
-        elif config.gradient_predivide_factor != 1.0:
-            values /= config.gradient_predivide_factor
+        flat, _ = self.reduce_buffer(engine, params)
         engine.comm_stats.record("data_parallel", "all_reduce", tensor_bytes(flat))
         self._fp32_pending.append((b, dist.all_reduce(flat, group=self.group, async_op=True), flat))
 
@@ -210,8 +199,7 @@ class OneBitGradients(DataParallelGradients):
             work.wait()
             bucket_params = optimizer.buckets[b].params  # type: ignore[union-attr]
             values = flat[: -len(bucket_params)]
-            if not config.prescale_gradients:
-                values /= self.world_size / config.gradient_predivide_factor
+            self.finish_average(engine, values)
             params += bucket_params
             counts += [round(c) for c in flat[-len(bucket_params) :].tolist()]
             results.append((bucket_params, values))
