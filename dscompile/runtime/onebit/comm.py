@@ -218,12 +218,9 @@ class CompressedAllReduce:
         if comm.world == 1:
             self._result = flat  # nothing to send, so nothing is lost
             return
-        w, k, block = layout.world, layout.blocks_per_chunk, layout.block
         padded = F.pad(flat.reshape(-1).float(), (0, layout.padded - layout.numel))
-        packed, scales = onebit_kernels.compress(padded.view(w * k, block), worker_error.view(w * k, block), impl)
-        self._send = torch.cat([packed.view(w, layout.chunk // 8), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
-        self._recv = torch.empty_like(self._send)
-        self._work = comm.all_to_all_(self._recv, self._send, purpose, async_op=True)
+        # steps 1-2 are the compressed reduce-scatter of the padded buffer's [world, chunk] rows: rank r gets chunk r
+        self._scatter = CompressedReduceScatter(padded.view(layout.world, layout.chunk), worker_error, layout.block, comm, purpose, impl)
 
     @property
     def gathering(self) -> bool:
@@ -234,16 +231,12 @@ class CompressedAllReduce:
         """The server half: wait for this exchange's all-to-all, average, recompress, start the all-gather."""
         if self.gathering:
             return
-        assert self._work is not None
-        self._work.wait()
-        w, k, block = self.layout.world, self.layout.blocks_per_chunk, self.layout.block
-        chunk_bytes = self.layout.chunk // 8
-        recv = self._recv
-        mine = onebit_kernels.decompress_mean(recv[:, :chunk_bytes].reshape(w, k, block // 8), _floats(recv[:, chunk_bytes:], (w, k)), self.impl)
+        k, block = self.layout.blocks_per_chunk, self.layout.block
+        mine = self._scatter.wait().view(k, block)
+        del self._scatter  # its buffers are done with
         s_packed, s_scales = onebit_kernels.compress(mine, self.server_error.view(k, block), self.impl)
         self._message = torch.cat([s_packed.view(-1), s_scales.view(torch.uint8)])
-        self._gathered = torch.empty(w * self._message.numel(), dtype=torch.uint8, device=recv.device)
-        del self._send, self._recv  # the all-to-all is done with them
+        self._gathered = torch.empty(self.layout.world * self._message.numel(), dtype=torch.uint8, device=mine.device)
         self._work = self.comm.all_gather_(self._gathered, self._message, self.purpose, async_op=True)
 
     def wait(self) -> torch.Tensor:
@@ -322,7 +315,7 @@ class CompressedReduceScatter:
             self._result = rows[0].float().clone()
             return
         k = chunk // block
-        padded = F.pad(rows.float(), (0, chunk - row))
+        padded = F.pad(rows.float(), (0, chunk - row)) if chunk != row else rows.float()  # compress reads it, never writes
         packed, scales = onebit_kernels.compress(padded.reshape(w * k, block), worker_error.view(w * k, block), impl)
         self._send = torch.cat([packed.view(w, chunk // 8), scales.view(torch.uint8).view(w, 4 * k)], dim=1)
         self._recv = torch.empty_like(self._send)
