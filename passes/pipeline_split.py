@@ -32,7 +32,7 @@ import torch.fx
 from dscompile.config import parse_dataclass, register_section
 from dscompile.cost import evaluate, nbytes, node_cost
 from dscompile.errors import DSCompileConfigError
-from dscompile.graph import ds_meta, node_value
+from dscompile.graph import ds_meta, is_collective, node_value
 from dscompile.pipeline import PassContext, register_pass
 from dscompile.runtime.pipeline_markers import is_marker
 
@@ -180,6 +180,12 @@ def _is_plain_tensor(node: torch.fx.Node) -> bool:
     return isinstance(node_value(node), torch.Tensor)
 
 
+def _starts_collective(node: torch.fx.Node) -> bool:
+    """A functional collective (tensor parallelism's all-reduces): its result is only usable after its
+    ``wait_tensor``, on the same rank."""
+    return is_collective(node) and node.target is not torch.ops._c10d_functional.wait_tensor.default
+
+
 @dataclass
 class GraphFacts:
     """Per compute node (in order): FLOPs, memory, layer; per boundary: bytes crossing, validity."""
@@ -247,8 +253,9 @@ def graph_facts(gm: torch.fx.GraphModule, param_nodes: set[torch.fx.Node], strip
             continue
         diff[start] += _value_bytes(node)
         diff[last + 1] -= _value_bytes(node)
-        if not _is_plain_tensor(node):
-            valid[start : last + 1] = False  # tuples, sizes and None cannot travel between ranks
+        if not _is_plain_tensor(node) or _starts_collective(node):
+            # tuples, sizes and None cannot travel between ranks; a collective must be waited where it started
+            valid[start : last + 1] = False
     cut_bytes = torch.cumsum(diff, 0)[: n + 1]
     valid[0] = valid[n] = True
     return GraphFacts(nodes, flops, memory, layers, layer_types, params, cut_bytes, valid, markers)

@@ -53,19 +53,22 @@ from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forwa
 from dscompile.runtime.pipeline_gradients import PipelineGradients
 from dscompile.runtime.pipeline_p2p import P2P
 from dscompile.runtime.pipeline_schedules import build_schedule
+from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sixteen_bit import upcast_low_precision
+from dscompile.runtime.tensor_parallel import gather_slices
 from dscompile.runtime.zero_shard import collective_failures_explained
 
 log = logging.getLogger("dscompile.pipeline_engine")
 
 
-def check_pipeline_world(world_size: int, stages: int) -> None:
-    """Ranks form ``world_size / stages`` pipelines of ``stages`` ranks: the division must be exact."""
-    if world_size % stages:
+def check_pipeline_world(world_size: int, stages: int, tp_size: int = 1) -> None:
+    """Ranks form ``world_size / (stages * tp_size)`` pipelines of ``stages`` TP groups: the division must be exact."""
+    if world_size % (stages * tp_size):
+        per_pipeline = f"{stages} pipeline stages" + (f" × tensor-parallel size {tp_size}" if tp_size > 1 else "")
         raise DSCompileConfigError(
             "pipeline.stages",
-            f"world size {world_size} is not divisible by {stages} pipeline stages",
-            f"launch a multiple of {stages} processes or change pipeline.stages",
+            f"world size {world_size} is not divisible by {per_pipeline}",
+            f"launch a multiple of {stages * tp_size} processes or change pipeline.stages" + (" or tensor_parallel.autotp_size" if tp_size > 1 else ""),
         )
 
 
@@ -199,10 +202,16 @@ class PipelineEngine(EngineCore):
         self.pcfg = pcfg
         self.world_size, self.global_rank = world_info()
         self.num_stages = pcfg.stages
-        check_pipeline_world(self.world_size, self.num_stages)
-        self.dp_size = self.world_size // self.num_stages
-        self.stage_id = self.global_rank % self.num_stages
-        self.dp_id = self.global_rank // self.num_stages
+        tc = self.config.sections.get("tensor_parallel")  # passes/tensor_parallel.py's TensorParallelConfig
+        self.tensor_parallel: Any = tc if tc is not None and tc.enabled else None
+        self.tp_size = tc.autotp_size if self.tensor_parallel is not None else 1
+        check_pipeline_world(self.world_size, self.num_stages, self.tp_size)
+        # TP innermost (its ranks consecutive), then stages, then data-parallel replicas
+        pipe_rank = self.global_rank // self.tp_size
+        self.tp_rank = self.global_rank % self.tp_size
+        self.dp_size = self.world_size // (self.num_stages * self.tp_size)
+        self.stage_id = pipe_rank % self.num_stages
+        self.dp_id = pipe_rank // self.num_stages
         self.chunks = pcfg.virtual_stages or 1
         gas = self.config.gradient_accumulation_steps
         if pcfg.micro_batches is not None and gas not in (None, 1, pcfg.micro_batches):
@@ -228,6 +237,8 @@ class PipelineEngine(EngineCore):
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t, src=0)
+        self.process_groups: ProcessGroups | None = build_process_groups(self.tp_size) if self.tp_size > 1 else None
+        self.tensor_parallel_plan: Any = None
         self.gradients: PipelineGradients = PipelineGradients(
             stage_id=self.stage_id,
             num_stages=self.num_stages,
@@ -236,6 +247,7 @@ class PipelineEngine(EngineCore):
             global_rank=self.global_rank,
             world_size=self.world_size,
             zero_stage=self.zero_stage,
+            tp_size=self.tp_size,
         )
         self.configure_extensions(self._stage_config())  # ZeRO-1 across pipelines is the strategy's, not the ZeRO extension's
         if example_batch is not None:
@@ -243,8 +255,8 @@ class PipelineEngine(EngineCore):
 
     # -- layout --------------------------------------------------------------------------------
     def rank_of_stage(self, stage: int) -> int:
-        """Global rank holding model stage ``stage`` in this rank's pipeline."""
-        return self.dp_id * self.num_stages + stage % self.num_stages
+        """Global rank holding model stage ``stage`` in this rank's pipeline (at this rank's TP rank)."""
+        return self.gradients.rank_of(self.dp_id, stage % self.num_stages)
 
     @property
     def local_stages(self) -> list[int]:
@@ -302,7 +314,12 @@ class PipelineEngine(EngineCore):
     def _build(self, example: Sequence[Any]) -> None:
         from dscompile.passes.pipeline_split import graph_facts, plan_partition, split_program
 
-        gm, param_nodes = capture_graph(self.root, tuple(example))
+        if self.process_groups is not None:
+            gm, param_nodes = self._capture_tensor_parallel(tuple(example))
+            attributes: nn.Module = gm  # the split graph's own buffers and constants live on it (parameters are the model's)
+        else:
+            gm, param_nodes = capture_graph(self.root, tuple(example))
+            attributes = self.root
         facts = graph_facts(gm, param_nodes, self._strip)
         plan = plan_partition(
             facts,
@@ -313,7 +330,7 @@ class PipelineEngine(EngineCore):
             flops_per_byte=self.pcfg.cost_flops_per_byte,
             strip=self._strip,
         )
-        self.program = split_program(gm, self.root, facts, plan, param_nodes, tuple(example))
+        self.program = split_program(gm, attributes, facts, plan, param_nodes, tuple(example))
         self.facts = facts
         if self.config.dump and self.global_rank == 0:
             self._dump(gm)
@@ -346,9 +363,40 @@ class PipelineEngine(EngineCore):
             args, self._pending_load = self._pending_load, None
             self.load_checkpoint(*args)
 
+    def _capture_tensor_parallel(self, example: tuple[Any, ...]) -> tuple[torch.fx.GraphModule, set[torch.fx.Node]]:
+        """The whole model captured and split by the tensor-parallel pass (its parameters sliced in place),
+        ready to be cut into stages: each stage then runs its slice of every block on its TP group."""
+        from dscompile.passes.pipeline_split import getattr_path
+        from dscompile.passes.tensor_parallel import parallelize
+
+        assert self.process_groups is not None and self.tensor_parallel is not None
+        self._broadcast_in_tp_group(list(example))
+        gm, plan = parallelize(self.root, example, {}, self.process_groups, self.tensor_parallel)
+        self.tensor_parallel_plan = plan
+        self.gradients.tp_sliced = {id(self.root.get_parameter(name)) for name in plan.slices}
+        trainable = {id(p) for p in self.root.parameters() if p.requires_grad}
+        param_nodes = {n for n in gm.graph.nodes if n.op == "get_attr" and id(getattr_path(gm, str(n.target))) in trainable}
+        return gm, param_nodes
+
+    def _broadcast_in_tp_group(self, values: Sequence[Any]) -> None:
+        """Every rank of a TP group computes on the same batch: its first rank's (as the TP engine does)."""
+        if self.process_groups is not None:
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    dist.broadcast(v, src=self.process_groups.tp_ranks[0], group=self.process_groups.tp_group)
+
+    def _refuse_under_tensor_parallel(self, what: str) -> None:
+        if self.tp_size > 1:
+            raise DSCompileConfigError(
+                "tensor_parallel",
+                f"{what} of a pipeline with tensor parallelism is not built yet (each TP rank holds slices of its stages)",
+                "read the weights with engine.stage_parameters() (the slices gathered), or train without tensor_parallel",
+            )
+
     def _stage_config(self) -> DSConfig:
-        """The config the stage graphs compile with: ZeRO-1 is the engine's job here, not a graph pass."""
-        sections = {k: v for k, v in self.config.sections.items() if k != "zero_optimization"}
+        """The config the stage graphs compile with: ZeRO-1 is the engine's job here, not a graph pass, and
+        tensor parallelism has already split the graph the stages are cut from."""
+        sections = {k: v for k, v in self.config.sections.items() if k not in ("zero_optimization", "tensor_parallel")}
         return dataclasses.replace(self.config, sections=sections)
 
     @property
@@ -403,6 +451,8 @@ class PipelineEngine(EngineCore):
             item = next(self.data_iterator)
             batch = tuple(item) if isinstance(item, (tuple, list)) else (item,)
             batches.append(upcast_low_precision(batch) if self.compute_dtype is not None else batch)
+        for batch in batches:
+            self._broadcast_in_tp_group(batch)
         return batches
 
     def prepare(self, example_batch: Sequence[Any]) -> None:
@@ -472,17 +522,23 @@ class PipelineEngine(EngineCore):
         if losses:
             total = torch.stack([losses[i].double() for i in sorted(losses)]).mean()
         if self.world_size > 1:
-            dist.all_reduce(total)  # only the last stage of each pipeline contributes
-            total /= self.dp_size
+            dist.all_reduce(total)  # only the last stage of each pipeline contributes (once per TP rank)
+            total /= self.dp_size * self.tp_size
         return total.float()
 
     # -- state ---------------------------------------------------------------------------------
     def stage_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by the model's own names (detached copies)."""
+        """This rank's parameters by the model's own names (detached copies). With tensor parallelism the
+        slices are gathered from the TP group (a collective on it): full tensors, as without it."""
+        slices = self.tensor_parallel_plan.slices if self.tensor_parallel_plan is not None else {}
         out: dict[str, torch.Tensor] = {}
         for name, p in self.root.named_parameters():
             if id(p) in self._owned_ids:
-                out[name[len(self._strip) :] if name.startswith(self._strip) else name] = p.detach().clone()
+                value = p.detach().clone()
+                if name in slices:
+                    assert self.process_groups is not None
+                    value = slices[name].assemble(gather_slices(value, self.process_groups))
+                out[name[len(self._strip) :] if name.startswith(self._strip) else name] = value
         return out
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
@@ -492,6 +548,7 @@ class PipelineEngine(EngineCore):
         Every stage's parameters and buffers are gathered from the ranks of data-parallel replica 0
         (each rank holds only its stages). A collective on every rank; returns True.
         """
+        self._refuse_under_tensor_parallel("save_16bit_model")
         if self.program is None:
             raise RuntimeError("save_16bit_model before the first train_batch: nothing is partitioned yet")
         names: dict[int, list[str]] = {}
@@ -526,6 +583,7 @@ class PipelineEngine(EngineCore):
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None) -> Path:
         """Per stage ``pipe_stage_NN_model_states.pt`` (by parameter name) and per pipeline rank
         ``pipe_rank_NN_states.pt`` (optimizer, scheduler, counters); data-parallel rank 0 writes."""
+        self._refuse_under_tensor_parallel("save_checkpoint")
         if self.program is None:
             raise RuntimeError("save_checkpoint before the first train_batch: nothing is partitioned yet")
         tag = tag or f"global_step{self.global_steps}"
@@ -571,6 +629,7 @@ class PipelineEngine(EngineCore):
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True) -> tuple[str | None, dict | None]:
         """Restore parameters by name from every stage file (so another stage count works for the
         weights); optimizer and counters only when the partition is the same."""
+        self._refuse_under_tensor_parallel("load_checkpoint")
         if self.program is None:
             self._pending_load = (load_dir, tag, load_optimizer_states)
             return None, None

@@ -1,10 +1,12 @@
 """The pipeline engine's gradient strategy: tied weights, replicas of a stage, ZeRO-1 across pipelines.
 
-Ranks are laid out ``rank = data_parallel_rank * stages + stage``. At the accumulation boundary a
+Ranks are laid out ``rank = (data_parallel_rank * stages + stage) * tp + tp_rank`` (``tp`` = 1 without
+tensor parallelism, whose groups are the innermost ranks). At the accumulation boundary a
 parameter used by several stages (tied embeddings) has its gradients summed over the ranks that
 hold it, then every stage's gradients are averaged over its data-parallel replicas (in
 ``engine.communication_data_type`` when set). Clipping takes the norm of the whole model: every
-stage's squares summed over all ranks, a tied parameter counted once. With
+stage's squares summed over all ranks, a tied parameter counted once, a parameter tensor parallelism
+left whole (replicated on every TP rank) counted once, its split ones summed over their slices. With
 ``zero_optimization.stage`` 1 each replica of a stage owns about ``1/dp`` of its elements (whole
 tensors, greedy, largest first; the same on every replica), keeps only their optimizer state, and
 broadcasts them after the step, as DeepSpeed's ZeRO-1 does across pipelines.
@@ -29,19 +31,39 @@ class PipelineGradients(GradientStrategy):
 
     name = "pipeline"
 
-    def __init__(self, *, stage_id: int, num_stages: int, dp_id: int, dp_size: int, global_rank: int, world_size: int, zero_stage: int) -> None:
+    def __init__(
+        self,
+        *,
+        stage_id: int,
+        num_stages: int,
+        dp_id: int,
+        dp_size: int,
+        global_rank: int,
+        world_size: int,
+        zero_stage: int,
+        tp_size: int = 1,
+    ) -> None:
         self.stage_id, self.num_stages = stage_id, num_stages
         self.dp_id, self.dp_size = dp_id, dp_size
         self.global_rank, self.world_size = global_rank, world_size
         self.zero_stage = zero_stage
+        self.tp_size, self.tp_rank = tp_size, global_rank % tp_size
+        self.tp_sliced: set[int] = set()  # ids of the parameters tensor parallelism split (the others are replicated)
         self.params: list[nn.Parameter] = []
         self.names: dict[int, str] = {}
         self.tied: list[tuple[list[nn.Parameter], Any]] = []
         self.owner: dict[int, int] = {}
-        self.dp_groups: dict[int, Any] = {}
+        self.dp_group: Any = None
         if dp_size > 1:  # every rank creates every group, in the same order
             for s in range(num_stages):
-                self.dp_groups[s] = dist.new_group([d * num_stages + s for d in range(dp_size)])
+                for t in range(tp_size):
+                    group = dist.new_group([self.rank_of(d, s, t) for d in range(dp_size)])
+                    if (s, t) == (stage_id, self.tp_rank):
+                        self.dp_group = group
+
+    def rank_of(self, dp: int, stage: int, tp: int | None = None) -> int:
+        """Global rank of data-parallel replica ``dp``'s ``stage`` at tensor-parallel rank ``tp`` (default: this rank's)."""
+        return (dp * self.num_stages + stage) * self.tp_size + (self.tp_rank if tp is None else tp)
 
     @property
     def zero1_sharded(self) -> bool:
@@ -62,10 +84,11 @@ class PipelineGradients(GradientStrategy):
                 tied_sets.setdefault(tuple(sorted(ranks)), []).append(pid)
         for ranks, pids in sorted(tied_sets.items()):
             for d in range(self.dp_size):
-                members = [d * self.num_stages + r for r in ranks]
-                group = dist.new_group(members) if self.world_size > 1 else None
-                if d == self.dp_id and self.stage_id in ranks:
-                    self.tied.append(([by_id[pid] for pid in pids], group))
+                for t in range(self.tp_size):
+                    members = [self.rank_of(d, r, t) for r in ranks]
+                    group = dist.new_group(members) if self.world_size > 1 else None
+                    if d == self.dp_id and t == self.tp_rank and self.stage_id in ranks:
+                        self.tied.append(([by_id[pid] for pid in pids], group))
 
     def _zero1_partition(self) -> list[nn.Parameter]:
         self.owner = {}
@@ -112,15 +135,18 @@ class PipelineGradients(GradientStrategy):
         for params, group in self.tied:
             self._all_reduce(engine, params, group, "tied_all_reduce")
         if self.dp_size > 1:
-            self._all_reduce(engine, self.params, self.dp_groups[self.stage_id], "data_parallel_all_reduce", self.dp_size)
+            self._all_reduce(engine, self.params, self.dp_group, "data_parallel_all_reduce", self.dp_size)
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
-        """Clip by the norm of the whole model: each tied parameter is counted once (lowest rank)."""
+        """Clip by the norm of the whole model: each tied parameter is counted once (lowest rank), and so is
+        each parameter tensor parallelism replicates (TP rank 0's); split ones add their slices' squares."""
         skip: set[int] = set()
         for tied, group in self.tied:
             members = dist.get_process_group_ranks(group) if group is not None else [self.global_rank]
             if self.global_rank != min(members):
                 skip.update(id(p) for p in tied)
+        if self.tp_rank != 0:
+            skip.update(id(p) for p in self.params if id(p) not in self.tp_sliced)
         sq = torch.zeros((), dtype=torch.float64, device=collective_device(like=self.params[0] if self.params else None))
         for p in self.params:
             if p.grad is not None and id(p) not in skip:
@@ -143,13 +169,13 @@ class PipelineGradients(GradientStrategy):
 
     def _broadcast_updated(self, engine: EngineCore) -> None:
         """ZeRO-1: every replica sends the parameters it stepped to the others of its stage."""
-        group = self.dp_groups[self.stage_id]
+        group = self.dp_group
         with torch.no_grad():
             for d in range(self.dp_size):
                 params = [p for p in self.params if self.owner[id(p)] == d]
                 flat = torch.cat([p.detach().reshape(-1) for p in params])
                 with engine.comm_stats.timed("pipeline", "zero1_broadcast", tensor_bytes(flat)):
-                    dist.broadcast(flat, src=d * self.num_stages + self.stage_id, group=group)
+                    dist.broadcast(flat, src=self.rank_of(d, self.stage_id), group=group)
                 if d != self.dp_id:
                     offset = 0
                     for p in params:
