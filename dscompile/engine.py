@@ -265,8 +265,10 @@ def initialize(
     if pipe is not None:  # DeepSpeed's rule: a pipeline config gets the pipeline engine (train_batch API)
         from dscompile.runtime.pipeline_engine import check_pipeline_world
 
-        check_pipeline_world(world_size, pipe.stages)
-        world_size, rank = world_size // pipe.stages, rank // pipe.stages  # batch sizes count pipelines, not stages
+        tc = cfg.sections.get("tensor_parallel")
+        per_replica = pipe.stages * (tc.autotp_size if tc is not None and tc.enabled else 1)  # ranks of one pipeline: stages × TP
+        check_pipeline_world(world_size, pipe.stages, per_replica // pipe.stages)
+        world_size, rank = world_size // per_replica, rank // per_replica  # batch sizes count pipelines, not stages or TP ranks
     cfg.resolve_batch_sizes(world_size)
     if pipe is not None or _zero_section(cfg) is None:
         materialize(model)  # built under zero.Init but trained without ZeRO: gather the full weights back

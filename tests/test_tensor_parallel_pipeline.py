@@ -62,6 +62,7 @@ def _reference(model: str, optimizer: str) -> dict[str, Any]:
 
 
 def _train(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict[str, Any]:
+    import dscompile
     from dscompile.runtime.pipeline_engine import PipelineEngine
 
     out: dict[str, Any] = {}
@@ -74,7 +75,12 @@ def _train(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict[str,
             "tensor_parallel": {"autotp_size": 2},
             "pipeline": {"stages": 2, "schedule": "1f1b", "micro_batches": MICRO},
         }
-        engine = PipelineEngine(case.model, config)
+        if model == "hf_llama":  # as a DeepSpeed script: initialize, batch sizes counted over the one data-parallel replica
+            config |= {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": MICRO, "train_batch_size": 2 * MICRO}
+            engine, *_ = dscompile.initialize(model=case.model, config=config)
+            assert isinstance(engine, PipelineEngine)
+        else:
+            engine = PipelineEngine(case.model, config)
         data = _batches(case)
         if rank % 2:  # TP rank 1 reads other batches: the engine must feed it its TP group's (rank 0's)
             data = [tuple(t.flip(0) for t in batch) for batch in data]
