@@ -19,8 +19,25 @@ _NONDETERMINISTIC_TAG = torch.Tag.nondeterministic_seeded
 @register_pass("dce", graphs=("pre_autograd", "joint", "forward", "backward"))
 def dead_code_elimination(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.GraphModule:
     """Remove nodes whose results nobody uses (side-effecting ops such as collectives and copies stay)."""
-    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(gm)
     return gm
+
+
+def _eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
+    """fx's ``eliminate_dead_code`` with ``_is_impure`` here and in every subgraph the graph reads (an
+    ``autograd.Function``'s forward and backward bodies, ``cond`` branches): fx recurses into those with
+    its default rule, which drops an unused in-place method, e.g. the ``x.copy_(all_reduce(x))`` that
+    Dynamo makes of a Megatron layer's ``dist.all_reduce(x)``."""
+    graph = gm.graph
+    graph.lint()
+    for node in reversed(graph.nodes):
+        if not node.users and not _is_impure(node):
+            graph.erase_node(node)
+    read = {str(n.target) for n in graph.find_nodes(op="get_attr")}
+    for name, child in gm.named_children():
+        if name in read and isinstance(child, torch.fx.GraphModule):
+            _eliminate_dead_code(child)
+            child.recompile()
 
 
 def _is_impure(node: torch.fx.Node) -> bool:

@@ -176,3 +176,39 @@ def test_cse_never_merges_random_ops():
 
     out = torch.compile(f, backend="dscompile", options={"pipeline": "cse,dce,lower(eager)"})(torch.zeros(1000))
     assert out.abs().sum() > 0
+
+
+class _ScaleInPlace(torch.autograd.Function):
+    """Forward and backward each change a fresh tensor in place and return it, as a Megatron layer's
+    ``x = x.clone(); dist.all_reduce(x); return x`` does (Dynamo makes that ``x.copy_(all_reduce(x))``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        y = x.clone()
+        y.mul_(2.0)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        g = grad.clone()
+        g.mul_(3.0)
+        return g
+
+
+@pytest.mark.parametrize("lower", ["eager", "default"])
+def test_dce_keeps_in_place_methods_inside_autograd_function_bodies(lower: str) -> None:
+    """fx's dead-code elimination recurses into subgraphs with its own rule, which dropped the unused
+    ``y.mul_(2.0)`` of an autograd.Function body: the forward returned x and the gradient was unscaled."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (_ScaleInPlace.apply(x.sin()) ** 2).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    f(x).backward()
+    expected_grad = x.grad.clone()
+    x.grad = None
+    options = {"lower": "eager"} if lower == "eager" else {}
+    out = torch.compile(f, backend="dscompile", options=options)(x)
+    out.backward()
+    torch.testing.assert_close(out, f(x.detach()))
+    torch.testing.assert_close(x.grad, expected_grad)
