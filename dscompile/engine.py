@@ -33,6 +33,7 @@ from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
 from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agree_any, params_or_error, register_engine_extension
 from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
+from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_extension import shard_optimizer
 from dscompile.runtime.zero_init import materialize
@@ -65,7 +66,9 @@ class DSCompileEngine(nn.Module, EngineCore):
         lr_scheduler: Any = None,
         *,
         compile_model: bool = True,
+        model_parallel: ProcessGroups | None = None,
     ) -> None:
+        """``model_parallel``: the groups of a model the script already split (``initialize(mpu=...)``)."""
         nn.Module.__init__(self)
         if config.sections.get("pipeline_parallel") is not None:
             raise DSCompileConfigError(
@@ -76,7 +79,15 @@ class DSCompileEngine(nn.Module, EngineCore):
         self.init_core(config, optimizer, lr_scheduler)
         self.compiles_model = compile_model
         self.compile_target: nn.Module = model  # extensions may wrap it (ZeRO-2/3: a ZeroModule over the shards)
+        if model_parallel is not None:
+            from dscompile.runtime.model_parallel_unit import prepare_model_parallel
+
+            prepare_model_parallel(self, model_parallel)  # before the extensions: ZeRO shards over its data-parallel group
         self.configure_extensions()  # ZeRO installs its gradient strategy here
+        if model_parallel is not None:
+            from dscompile.runtime.model_parallel_unit import model_parallel_gradients
+
+            self.gradients = model_parallel_gradients(self, model_parallel)
         if self.gradients is None:
             self.gradients = DataParallelGradients(model)  # the default: whole replicas, gradients averaged
         self._compiled = self._compile(self.compile_target, config)
@@ -249,8 +260,8 @@ def initialize(
     """
     if model is None:
         raise DSCompileConfigError("model", "dscompile.initialize needs model=", "pass the nn.Module to train")
-    if mpu is not None or mesh_param is not None:
-        raise DSCompileConfigError("mpu", "model-parallel units are not supported yet", "drop mpu=/mesh_param=")
+    if mesh_param is not None:
+        raise DSCompileConfigError("mesh_param", "device meshes are not supported yet", "drop mesh_param= (tensor_parallel or mpu= lay out the groups)")
     if config is not None and config_params is not None:
         raise DSCompileConfigError("config", "both config= and config_params= given", "pass only one")
     source = config_source(args, config if config is not None else config_params)
@@ -262,13 +273,24 @@ def initialize(
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
     pipe = cfg.sections.get("pipeline_parallel")
+    groups = None
+    if mpu is not None:
+        from dscompile.runtime.model_parallel_unit import process_groups_from_mpu
+
+        if pipe is not None:
+            raise DSCompileConfigError("mpu", "a model-parallel unit together with a pipeline section is not built", "drop mpu= or the pipeline section")
+        groups = process_groups_from_mpu(mpu, cfg)
+    tc = cfg.sections.get("tensor_parallel")
+    tp_size = groups.tp_size if groups is not None else tc.autotp_size if tc is not None and tc.enabled else 1
     if pipe is not None:  # DeepSpeed's rule: a pipeline config gets the pipeline engine (train_batch API)
         from dscompile.runtime.pipeline_engine import check_pipeline_world
 
-        tc = cfg.sections.get("tensor_parallel")
-        per_replica = pipe.stages * (tc.autotp_size if tc is not None and tc.enabled else 1)  # ranks of one pipeline: stages × TP
-        check_pipeline_world(world_size, pipe.stages, per_replica // pipe.stages)
-        world_size, rank = world_size // per_replica, rank // per_replica  # batch sizes count pipelines, not stages or TP ranks
+        check_pipeline_world(world_size, pipe.stages, tp_size)
+    else:
+        ParallelLayout(world_size, tp_size)  # the TP size must divide the world: says so before batch sizes are resolved
+    # batch sizes and the data loader count data-parallel replicas: not pipeline stages, not TP ranks (TP innermost)
+    per_replica = tp_size * (pipe.stages if pipe is not None else 1)
+    world_size, rank = world_size // per_replica, rank // per_replica
     cfg.resolve_batch_sizes(world_size)
     if pipe is not None or _zero_section(cfg) is None:
         materialize(model)  # built under zero.Init but trained without ZeRO: gather the full weights back
@@ -294,7 +316,7 @@ def initialize(
         return engine, opt, engine.training_dataloader, scheduler
     # Extensions may move the optimizer (ZeRO steps the shards), so a scheduler built here is built over the engine's.
     ready = lr_scheduler if lr_scheduler is not None and hasattr(lr_scheduler, "step") else None
-    engine = DSCompileEngine(model, cfg, opt, ready)
+    engine = DSCompileEngine(model, cfg, opt, ready, model_parallel=groups)
     if ready is None:
         engine.lr_scheduler = _resolve_scheduler(cfg, lr_scheduler, engine.optimizer)
     opt, scheduler = engine.optimizer, engine.lr_scheduler
