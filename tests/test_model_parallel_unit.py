@@ -145,7 +145,7 @@ def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     mpu = _Mpu(tp=2)
     out: dict[str, Any] = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         model = _MegatronMLP(_full_model(), mpu)
         if rank // 2:  # another replica starts from other weights: the engine must make the replicas of a slice equal
             with torch.no_grad():
@@ -173,7 +173,7 @@ def test_mpu_tp2_dp2_matches_single_process(tmp_path) -> None:
     ref = _reference()
     names = _names()
     for r in ranks:
-        for key in (0, 1, 2, "consolidated"):
+        for key in (0, 1, 2, 3, "consolidated"):
             got = r[key]["params"] if key != "consolidated" else r[key]
             assert set(got) == set(names), (key, sorted(got))
             for split_name, full_name in names.items():
