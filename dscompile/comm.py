@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.runtime.process_exit import init_process_group
 
 log = logging.getLogger("dscompile.comm")
 
@@ -126,7 +127,7 @@ def init_distributed(
             )
     if verbose and int(os.environ.get("RANK", "0")) == 0:
         log.info("init_distributed: torch.distributed.init_process_group(%s)", kwargs)
-    dist.init_process_group(**kwargs)
+    init_process_group(**kwargs)  # destroyed again at exit (runtime/process_exit.py)
 
 
 def destroy_process_group(group: Any = None) -> None:

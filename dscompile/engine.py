@@ -33,6 +33,7 @@ from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
 from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agree_any, params_or_error, register_engine_extension
 from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
+from dscompile.runtime.process_exit import init_process_group
 from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.zero_extension import shard_optimizer
@@ -331,7 +332,7 @@ def _maybe_init_distributed(required: bool | None, port: int | None) -> None:
         return
     if port is not None:
         os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")  # destroyed again at exit
 
 
 def _zero_section(config: DSConfig) -> Any:
