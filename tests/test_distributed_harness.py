@@ -74,6 +74,15 @@ def test_exception_on_rank_one_is_reported_with_traceback(tmp_path: Path) -> Non
     _assert_dead(tmp_path)
 
 
+def test_rank_killed_by_a_native_abort_is_reported_with_its_stacks() -> None:
+    """faulthandler writes the dying rank's Python stacks; the report carries them (where a heap corruption struck)."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_selftest.abort_on_rank, 2, 1, timeout=60)
+    err = info.value
+    assert err.rank == 1 and "killed by SIGABRT" in str(err)
+    assert "its threads when it died" in str(err) and "abort_on_rank" in str(err), str(err)
+
+
 def test_rank_exit_without_exception_reports_exit_code() -> None:
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_selftest.exit_on_rank, 2, 1, 3, timeout=60)

@@ -43,6 +43,15 @@ def exit_on_rank(rank: int, world_size: int, bad_rank: int, code: int) -> int:
     return rank
 
 
+def abort_on_rank(rank: int, world_size: int, bad_rank: int) -> int:
+    """A native crash (glibc's abort on a corrupted heap looks the same to the harness)."""
+    dist.barrier()
+    if rank == bad_rank:
+        os.abort()
+    dist.barrier()
+    return rank
+
+
 def hang_on_rank(rank: int, world_size: int, bad_rank: int, pid_dir: str | None = None) -> int:
     _write_pid(pid_dir, rank)
     if rank == bad_rank:

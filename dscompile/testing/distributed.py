@@ -319,7 +319,8 @@ def _supervise(
                     results[rank] = RankDied(rank, code)  # the fault test's victim: not a failure
                     reported.add(rank)
                 elif rank not in reported or (rank in results and code != 0):
-                    failures.append(RankFailure(rank, code))
+                    stacks = _read_stacks(stack_files[rank]) if code is not None and code < 0 else ""
+                    failures.append(RankFailure(rank, code, traceback=f"its threads when it died (faulthandler):\n{stacks}" if stacks else None))
                     reported.add(rank)
     if failures:
         for failure in failures:
@@ -348,15 +349,19 @@ def _dump_stacks(procs: list[Any], ranks: list[int], stack_files: list[str]) -> 
             break
     stacks = {}
     for rank in ranks:
-        try:
-            with open(stack_files[rank], errors="replace") as handle:
-                text = handle.read()
-        except OSError:
-            text = ""
-        # Drop the harness's own parent-watch thread; keep every thread of the user's code.
-        blocks = [b for b in text.split("\n\n") if f" in {_WATCH_FN}\n" not in b + "\n"]
-        stacks[rank] = "\n\n".join(blocks)
+        stacks[rank] = _read_stacks(stack_files[rank])
     return stacks
+
+
+def _read_stacks(path: str) -> str:
+    """A rank's faulthandler dump, less the harness's own parent-watch thread."""
+    try:
+        with open(path, errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return ""
+    blocks = [b for b in text.split("\n\n") if f" in {_WATCH_FN}\n" not in b + "\n"]
+    return "\n\n".join(blocks).strip()
 
 
 def _file_size(path: str) -> int:
@@ -401,6 +406,7 @@ def _rank_main(
     stack_handle = open(stack_file, "w")  # stays open: faulthandler writes to it
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_handle, all_threads=True)
+    faulthandler.enable(file=stack_handle, all_threads=True)  # a rank killed by SIGSEGV/SIGABRT leaves its stacks there too
     try:
         import torch
         import torch.distributed as dist
