@@ -24,7 +24,7 @@ CASES: dict[str, dict[str, Any]] = {
     "hf_gpt2": {"seq_len": 8, "hidden": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 40},
     "hf_llama": {"seq_len": 8, "hidden": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 40},
 }
-STEPS = 3
+STEPS = 10  # the issue: 10 training steps equal single-process training
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,7 +129,8 @@ def train_and_compare(rank: int, world: int, runs: list[tuple[str, dict, str | N
 
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
-ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
+# weight decay given: the engine's AdamW defaults to DeepSpeed's 0, torch's reference to 0.01
+ADAMW = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}
 # Inductor (the default lowering) for the GQA Llama; the others under the eager lowering, to keep the test's
 # compile time within budget (the same split graph reaches either lowering; all four pass under Inductor too).
 # (model, optimizer, lowering, gradient_clipping, model overrides); AdamW is compared on 4 ranks (below)
@@ -192,9 +193,9 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
             cfg["zero_optimization"] = {"stage": zero}
         engine, optimizer, *_ = dscompile.initialize(model=case.model, config=cfg)
         groups = engine.process_groups
-        ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=ADAMW["params"]["lr"])
+        ref_opt = torch.optim.AdamW(ref.model.parameters(), **ADAMW["params"])
         norms = []
-        for step in range(2):
+        for step in range(STEPS):
             batches = [make_batch(case, seed=10 * step + dp) for dp in range(groups.dp_size)]
             engine.backward(engine(*batches[groups.dp_rank]))
             engine.step()
@@ -240,7 +241,8 @@ def test_tp2_times_dp2_on_4_ranks() -> None:
             assert r["dp_world"] == 2 and r["zero_world"] == (2 if zero else None)
             if zero:  # refused alike on every rank, naming the key and what to do instead
                 assert "tensor_parallel" in r["refusal"] and "save_16bit_model" in r["refusal"], r["refusal"]
-            assert r["param_err"] < 1e-3, (zero, r["param_err"])  # AdamW: 1e-3 relative
+            # AdamW, 10 steps: the issue allows 1e-3 relative; measured 3e-5, so 2e-4 still catches a weight-decay mismatch (1e-4 a step)
+            assert r["param_err"] < 2e-4, (zero, r["param_err"])
             assert r["same_optimizer"], zero  # the optimizer initialize returned is the one stepped (ZeRO moved it in place)
             for step, (norm, ref_norm) in enumerate(r["norms"]):  # after one AdamW step: 1e-3, as the parameters
                 assert norm == pytest.approx(ref_norm, rel=1e-5 if step == 0 else 1e-3) and ref_norm > CLIP, (zero, step, norm, ref_norm)

@@ -26,7 +26,8 @@ HF_LLAMA = {"hidden": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 64, "seq_le
 
 
 def _optimizer(name: str) -> dict[str, Any]:
-    return {"type": "SGD", "params": {"lr": 0.1}} if name == "sgd" else {"type": "AdamW", "params": {"lr": 1e-2}}
+    # weight decay given: the engine's AdamW defaults to DeepSpeed's 0, torch's (the reference) to 0.01
+    return {"type": "SGD", "params": {"lr": 0.1}} if name == "sgd" else {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
 
 
 def _case(model: str) -> Any:
@@ -45,7 +46,7 @@ def _reference(model: str, optimizer: str) -> dict[str, Any]:
     """One process, no parallelism: the same micro-batches accumulated, clipped, one step per batch."""
     case = _case(model)
     params = list(case.model.parameters())
-    opt = torch.optim.SGD(params, lr=0.1) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2)
+    opt = torch.optim.SGD(params, lr=0.1) if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     data = _batches(case)
     losses = []
     for s in range(STEPS):
