@@ -59,11 +59,13 @@ def run_script(workdir: Path, script: str, config: dict, *extra: str, framework:
     config_path.write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(folder / script),
            "--deepspeed", "--deepspeed_config", str(config_path), "--steps", str(STEPS), "--out", str(out), *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(folder)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(folder), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=folder)
     if proc.returncode != 0 or not out.is_file():
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line or "error" in line]
-        raise AssertionError(f"{framework} run of {script} failed ({proc.returncode}):\n" + "\n".join(errors[-8:]) + "\n" + proc.stderr[-3000:])
+        crash = proc.stderr.find("Fatal Python error")  # a native crash's Python stacks (faulthandler), before torchrun's report
+        stacks = proc.stderr[crash : crash + 4000] + "\n...\n" if crash >= 0 else ""
+        raise AssertionError(f"{framework} run of {script} failed ({proc.returncode}):\n" + "\n".join(errors[-8:]) + "\n" + stacks + proc.stderr[-3000:])
     return json.loads(out.read_text())
 
 
