@@ -68,6 +68,7 @@ from dscompile.runtime.tensor_parallel import (
     SliceSpec,
     TensorParallelGradients,
     TensorParallelOver,
+    broadcast_in_tp_group,
     gather_slices,
     padded_units,
     tp_copy,
@@ -848,14 +849,8 @@ class TensorParallelModule(nn.Module):
         """The model whose 16-bit outputs' dtypes the engine mirrors (probed before the first batch splits it)."""
         return self.model
 
-    def _broadcast_batch(self, values: list[Any]) -> None:
-        if self.groups.tp_size > 1:
-            for v in values:
-                if isinstance(v, torch.Tensor):
-                    dist.broadcast(v, src=self.groups.tp_ranks[0], group=self.groups.tp_group)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._broadcast_batch(list(args) + list(kwargs.values()))
+        broadcast_in_tp_group(list(args) + list(kwargs.values()), self.groups)
         signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
         if self._graph is None:
             gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)

@@ -55,7 +55,7 @@ from dscompile.runtime.pipeline_p2p import P2P
 from dscompile.runtime.pipeline_schedules import build_schedule
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sixteen_bit import upcast_low_precision
-from dscompile.runtime.tensor_parallel import gather_slices
+from dscompile.runtime.tensor_parallel import broadcast_in_tp_group, gather_slices
 from dscompile.runtime.zero_shard import collective_failures_explained
 
 log = logging.getLogger("dscompile.pipeline_engine")
@@ -370,20 +370,13 @@ class PipelineEngine(EngineCore):
         from dscompile.passes.tensor_parallel import parallelize
 
         assert self.process_groups is not None and self.tensor_parallel is not None
-        self._broadcast_in_tp_group(list(example))
+        broadcast_in_tp_group(example, self.process_groups)
         gm, plan = parallelize(self.root, example, {}, self.process_groups, self.tensor_parallel)
         self.tensor_parallel_plan = plan
         self.gradients.tp_sliced = {id(self.root.get_parameter(name)) for name in plan.slices}
         trainable = {id(p) for p in self.root.parameters() if p.requires_grad}
         param_nodes = {n for n in gm.graph.nodes if n.op == "get_attr" and id(getattr_path(gm, str(n.target))) in trainable}
         return gm, param_nodes
-
-    def _broadcast_in_tp_group(self, values: Sequence[Any]) -> None:
-        """Every rank of a TP group computes on the same batch: its first rank's (as the TP engine does)."""
-        if self.process_groups is not None:
-            for v in values:
-                if isinstance(v, torch.Tensor):
-                    dist.broadcast(v, src=self.process_groups.tp_ranks[0], group=self.process_groups.tp_group)
 
     def _refuse_under_tensor_parallel(self, what: str) -> None:
         if self.tp_size > 1:
@@ -451,8 +444,9 @@ class PipelineEngine(EngineCore):
             item = next(self.data_iterator)
             batch = tuple(item) if isinstance(item, (tuple, list)) else (item,)
             batches.append(upcast_low_precision(batch) if self.compute_dtype is not None else batch)
-        for batch in batches:
-            self._broadcast_in_tp_group(batch)
+        if self.process_groups is not None:
+            for batch in batches:
+                broadcast_in_tp_group(batch, self.process_groups)
         return batches
 
     def prepare(self, example_batch: Sequence[Any]) -> None:

@@ -172,6 +172,15 @@ class SliceSpec:
         return torch.cat([torch.cat([r[b] for r in per_rank], dim=self.dim) for b in range(self.blocks)], dim=self.dim)
 
 
+def broadcast_in_tp_group(values: Any, groups: ProcessGroups) -> None:
+    """Every rank of a TP group computes on its first rank's batch (DeepSpeed leaves this to the data
+    loader, and gets it wrong silently when the loader differs: DeepSpeed #7199)."""
+    if groups.tp_size > 1:
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                dist.broadcast(v, src=groups.tp_ranks[0], group=groups.tp_group)
+
+
 def gather_slices(tensor: torch.Tensor, groups: ProcessGroups) -> list[torch.Tensor]:
     """Every TP rank's slice of ``tensor`` (slices have equal shapes: the pass splits evenly)."""
     out = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
