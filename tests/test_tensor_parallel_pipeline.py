@@ -117,7 +117,8 @@ def test_tp2_times_two_pipeline_stages_equal_single_process() -> None:
     for model, optimizer, _ in RUNS:
         key = f"{model}/{optimizer}"
         ref = _reference(model, optimizer)
-        tol = 1e-5 if optimizer == "sgd" else 1e-3
+        # AdamW: the issue allows 1e-3; measured 3.4e-6, so 1e-4 still catches a weight-decay mismatch (1e-4 a step)
+        tol = 1e-5 if optimizer == "sgd" else 1e-4
         params: dict[str, torch.Tensor] = {}
         for r in ranks:
             run = r[key]
