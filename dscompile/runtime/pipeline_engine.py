@@ -237,7 +237,9 @@ class PipelineEngine(EngineCore):
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t, src=0)
-        self.process_groups: ProcessGroups | None = build_process_groups(self.tp_size) if self.tp_size > 1 else None
+        # Only the TP groups of this layout serve here: its data-parallel groups span stages, so it is not the
+        # engine's ``process_groups`` (which the engine core and ZeRO read for the data-parallel group).
+        self.tp_groups: ProcessGroups | None = build_process_groups(self.tp_size) if self.tp_size > 1 else None
         self.tensor_parallel_plan: Any = None
         self.gradients: PipelineGradients = PipelineGradients(
             stage_id=self.stage_id,
@@ -314,7 +316,7 @@ class PipelineEngine(EngineCore):
     def _build(self, example: Sequence[Any]) -> None:
         from dscompile.passes.pipeline_split import graph_facts, plan_partition, split_program
 
-        if self.process_groups is not None:
+        if self.tp_groups is not None:
             gm, param_nodes = self._capture_tensor_parallel(tuple(example))
             attributes: nn.Module = gm  # the split graph's own buffers and constants live on it (parameters are the model's)
         else:
@@ -369,9 +371,9 @@ class PipelineEngine(EngineCore):
         from dscompile.passes.pipeline_split import getattr_path
         from dscompile.passes.tensor_parallel import parallelize
 
-        assert self.process_groups is not None and self.tensor_parallel is not None
-        broadcast_in_tp_group(example, self.process_groups)
-        gm, plan = parallelize(self.root, example, {}, self.process_groups, self.tensor_parallel)
+        assert self.tp_groups is not None and self.tensor_parallel is not None
+        broadcast_in_tp_group(example, self.tp_groups)
+        gm, plan = parallelize(self.root, example, {}, self.tp_groups, self.tensor_parallel)
         self.tensor_parallel_plan = plan
         self.gradients.tp_sliced = {id(self.root.get_parameter(name)) for name in plan.slices}
         trainable = {id(p) for p in self.root.parameters() if p.requires_grad}
@@ -444,9 +446,9 @@ class PipelineEngine(EngineCore):
             item = next(self.data_iterator)
             batch = tuple(item) if isinstance(item, (tuple, list)) else (item,)
             batches.append(upcast_low_precision(batch) if self.compute_dtype is not None else batch)
-        if self.process_groups is not None:
+        if self.tp_groups is not None:
             for batch in batches:
-                broadcast_in_tp_group(batch, self.process_groups)
+                broadcast_in_tp_group(batch, self.tp_groups)
         return batches
 
     def prepare(self, example_batch: Sequence[Any]) -> None:
@@ -530,8 +532,8 @@ class PipelineEngine(EngineCore):
             if id(p) in self._owned_ids:
                 value = p.detach().clone()
                 if name in slices:
-                    assert self.process_groups is not None
-                    value = slices[name].assemble(gather_slices(value, self.process_groups))
+                    assert self.tp_groups is not None
+                    value = slices[name].assemble(gather_slices(value, self.tp_groups))
                 out[name[len(self._strip) :] if name.startswith(self._strip) else name] = value
         return out
 
