@@ -128,7 +128,13 @@ class CompiledKernel:
         self.path = path
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        device = inputs[0].device if inputs else torch.device("cpu")
+        device = next((a.device for a in inputs if a.device.type != "cpu"), None)
+        if device is not None:
+            # AOTAutograd keeps Python scalars of the graph as 0-dim CPU tensors (Inductor passes them by value);
+            # a compiled kernel reads every input through a pointer, so such a scalar moves to the GPU first
+            inputs = tuple(a.to(device, non_blocking=True) if a.device.type == "cpu" else a for a in inputs)
+        else:
+            device = inputs[0].device if inputs else torch.device("cpu")
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.src.output_specs]
         xnumel = self.src.xnumel
         grid = lambda meta: (triton_cdiv(xnumel, meta["XBLOCK"]),)

@@ -120,7 +120,7 @@ def run_gpu_tests(table: Table, timeout: float) -> None:
     start = time.perf_counter()
     # only the modules holding gpu-marked tests: collecting the whole suite costs a minute
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--tb=short", "--show-capture=no", "-p", "no:cacheprovider", "-m", "gpu", *files],
                           cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 30))
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-200:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", summary)}
@@ -128,7 +128,7 @@ def run_gpu_tests(table: Table, timeout: float) -> None:
     ok = proc.returncode in (0, 5) and not counts.get("failed") and not counts.get("error") and not counts.get("errors")
     table.add("tests", "pytest -m gpu", value, f"{time.perf_counter() - start:.0f} s" + ("" if ok else f"; FAILED (exit {proc.returncode})"))
     if not ok:
-        print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n")
+        print(proc.stdout[-12000:], proc.stderr[-2000:], sep="\n")
 
 
 def run_lowering(table: Table, sizes: Sizes, device: torch.device) -> None:
@@ -169,7 +169,7 @@ def _attention_impls(seq: int, sizes: Sizes, device: torch.device, kernel: str) 
     """Forward + backward closures of each implementation at ``seq`` tokens, and the layout's density."""
     import torch.nn.functional as F
 
-    from dscompile.kernels.sparse_attention_op import _compiled_flex, block_sparse_attention, flex_block_mask
+    from dscompile.kernels.sparse_attention_op import _compiled_flex, block_sparse_attention, flex_block_mask, flex_kernel_options
     from dscompile.sparsity import BigBirdSparsityConfig
 
     heads, dim, block = sizes.heads, sizes.head_dim, sizes.block
@@ -191,7 +191,8 @@ def _attention_impls(seq: int, sizes: Sizes, device: torch.device, kernel: str) 
     if device.type == "cuda":
         mask = flex_block_mask(layout, block, seq, causal=False, kv_len=seq)
         flex = _compiled_flex()
-        impls["FlexAttention"] = train(lambda: flex(q, k, v, block_mask=mask, scale=scale))
+        options = flex_kernel_options(block, device) or None
+        impls["FlexAttention"] = train(lambda: flex(q, k, v, block_mask=mask, scale=scale, kernel_options=options))
     else:  # FlexAttention has no CPU backward: the op's flex kernel (flex forward, reference backward)
         impls["FlexAttention fwd + ref bwd"] = train(op("flex"))
     return impls, float(layout.float().mean())

@@ -120,6 +120,15 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex_kernel_options(block: int, device: torch.device) -> dict[str, int]:
+    """FlexAttention's forward tiles must divide the mask's blocks: on a GPU its default (128 rows/keys on
+    Hopper) does not divide the 64- or 32-token blocks sparse layouts use, and its single config then fails.
+    (Its backward skips the configs that do not divide.)"""
+    if device.type != "cuda" or block >= 128:
+        return {}
+    return {"BLOCK_M": block, "BLOCK_N": block}
+
+
 def flex_block_mask(layout: Tensor, block: int, seq_len: int, causal: bool, kv_len: int, batch: int = 1) -> Any:
     """A FlexAttention ``BlockMask`` visiting exactly the layout's nonzero blocks (cached per layout)."""
     build = lambda: _flex_block_mask(layout, block, seq_len, causal, kv_len, batch)
@@ -184,7 +193,8 @@ def _flex_run(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, bias: Tensor | No
 
     flex = _compiled_flex()
     if q.device.type == "cuda":
-        return flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, return_lse=True)
+        options = flex_kernel_options(block, q.device)
+        return flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, return_lse=True, kernel_options=options or None)
     # On CPU the compiled FlexAttention is inference-only and cannot return the lse.
     with torch.no_grad():
         out = flex(q.detach(), k.detach(), v.detach(), score_mod=score_mod, block_mask=mask, scale=scale)
