@@ -133,8 +133,12 @@ class CompiledKernel:
             # AOTAutograd keeps Python scalars of the graph as 0-dim CPU tensors (Inductor passes them by value);
             # a compiled kernel reads every input through a pointer, so such a scalar moves to the GPU first
             inputs = tuple(a.to(device, non_blocking=True) if a.device.type == "cpu" else a for a in inputs)
+        elif not interpreting() and torch.cuda.is_available():
+            # no GPU input (a region that only creates values, e.g. zeros in a backward): compiled kernels run on
+            # the GPU (the lowering runs CPU graphs as aten on a machine with CUDA)
+            device = torch.device("cuda", torch.cuda.current_device())
         else:
-            device = inputs[0].device if inputs else torch.device("cpu")
+            device = torch.device("cpu")
         outs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in self.src.output_specs]
         xnumel = self.src.xnumel
         grid = lambda meta: (triton_cdiv(xnumel, meta["XBLOCK"]),)

@@ -169,7 +169,7 @@ def _attention_impls(seq: int, sizes: Sizes, device: torch.device, kernel: str) 
     """Forward + backward closures of each implementation at ``seq`` tokens, and the layout's density."""
     import torch.nn.functional as F
 
-    from dscompile.kernels.sparse_attention_op import _compiled_flex, block_sparse_attention, flex_block_mask, flex_kernel_options
+    from dscompile.kernels.sparse_attention_op import _compiled_flex, block_sparse_attention, flex_block_mask
     from dscompile.sparsity import BigBirdSparsityConfig
 
     heads, dim, block = sizes.heads, sizes.head_dim, sizes.block
@@ -191,8 +191,7 @@ def _attention_impls(seq: int, sizes: Sizes, device: torch.device, kernel: str) 
     if device.type == "cuda":
         mask = flex_block_mask(layout, block, seq, causal=False, kv_len=seq)
         flex = _compiled_flex()
-        options = flex_kernel_options(block, device) or None
-        impls["FlexAttention"] = train(lambda: flex(q, k, v, block_mask=mask, scale=scale, kernel_options=options))
+        impls["FlexAttention"] = train(lambda: flex(q, k, v, block_mask=mask, scale=scale))
     else:  # FlexAttention has no CPU backward: the op's flex kernel (flex forward, reference backward)
         impls["FlexAttention fwd + ref bwd"] = train(op("flex"))
     return impls, float(layout.float().mean())

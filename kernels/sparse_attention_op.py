@@ -120,13 +120,7 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_kernel_options(block: int, device: torch.device) -> dict[str, int]:
-    """FlexAttention's forward tiles must divide the mask's blocks: on a GPU its default (128 rows/keys on
-    Hopper) does not divide the 64- or 32-token blocks sparse layouts use, and its single config then fails.
-    (Its backward skips the configs that do not divide.)"""
-    if device.type != "cuda" or block >= 128:
-        return {}
-    return {"BLOCK_M": block, "BLOCK_N": block}
+FLEX_GPU_BLOCK = 128  # the BlockMask granularity on a GPU (see _flex_block_mask)
 
 
 def flex_block_mask(layout: Tensor, block: int, seq_len: int, causal: bool, kv_len: int, batch: int = 1) -> Any:
@@ -141,11 +135,19 @@ def _flex_block_mask(layout: Tensor, block: int, seq_len: int, causal: bool, kv_
     Blocks wholly inside the causal triangle and the valid keys are "full" (no mask_mod
     evaluated); the diagonal blocks (causal) and the last, padded block are "partial".
     """
-    from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     from dscompile.kernels.block_sparse_attention import build_lut
 
     lay = layout.bool()
+    if lay.device.type == "cuda" and block % FLEX_GPU_BLOCK:
+        # FlexAttention's GPU backward tiles are 128 tokens (Hopper, head dim 64-128) and skip masks of smaller
+        # blocks: 128-token blocks, each token pair looked up in the layout by the mask function
+        def layout_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            keep = lay[h, q_idx // block, kv_idx // block] & (kv_idx < kv_len)
+            return keep & (q_idx >= kv_idx) if causal else keep
+
+        return create_block_mask(layout_mod, batch, lay.shape[0], seq_len, seq_len, device=lay.device, BLOCK_SIZE=FLEX_GPU_BLOCK)
     nb = lay.shape[-1]
     idx = torch.arange(nb, device=lay.device)
     partial_cols = torch.zeros(nb, nb, dtype=torch.bool, device=lay.device)
@@ -193,8 +195,7 @@ def _flex_run(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, bias: Tensor | No
 
     flex = _compiled_flex()
     if q.device.type == "cuda":
-        options = flex_kernel_options(block, q.device)
-        return flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, return_lse=True, kernel_options=options or None)
+        return flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, return_lse=True)
     # On CPU the compiled FlexAttention is inference-only and cannot return the lse.
     with torch.no_grad():
         out = flex(q.detach(), k.detach(), v.detach(), score_mod=score_mod, block_mask=mask, scale=scale)
