@@ -908,7 +908,11 @@ def _unwrap_rng(node: torch.fx.Node) -> torch.fx.Node:
     name = str(node.target)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
         return node
-    if "run_with_rng_state" in name:
+    kwargs = dict(node.kwargs)
+    if "graphsafe_run_with_rng_state" in name:  # CUDA (torch >= 2.9): (op, *args, rng_state=..., **kwargs)
+        op, args, value = node.args[0], node.args[1:], node_value(node)
+        kwargs.pop("rng_state", None)
+    elif "run_with_rng_state" in name:  # (rng_state, op, *args)
         op, args, value = node.args[1], node.args[2:], node_value(node)
     elif "run_and_save_rng_state" in name:
         value = node_value(node)
@@ -922,7 +926,7 @@ def _unwrap_rng(node: torch.fx.Node) -> torch.fx.Node:
         placeholder.meta["val"] = node_value(arg)
         return placeholder
 
-    inner = scratch.call_function(op, torch.fx.node.map_arg(tuple(args), stand_in), torch.fx.node.map_arg(dict(node.kwargs), stand_in))
+    inner = scratch.call_function(op, torch.fx.node.map_arg(tuple(args), stand_in), torch.fx.node.map_arg(kwargs, stand_in))
     inner.meta["val"] = value
     return inner
 

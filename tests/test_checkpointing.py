@@ -357,3 +357,28 @@ def test_collectives_are_recomputed_only_when_marked() -> None:
     for node in (gathered, waited):
         node.meta.setdefault("dscompile", {})["recomputable"] = True
     assert ckpt._ban_reason(gathered) is None and ckpt._ban_reason(waited) is None
+
+
+@pytest.mark.parametrize("wrapper", ["run_with_rng_state", "graphsafe_run_with_rng_state"])
+def test_the_cost_model_sees_into_replayed_random_ops_of_both_wrappers(wrapper: str) -> None:
+    """The partitioner replays a checkpointed dropout through ``run_with_rng_state(rng_state, op, *args)``
+    on CPU and ``graphsafe_run_with_rng_state(op, *args, rng_state=...)`` on CUDA: the cost model prices
+    the wrapped op either way (the CUDA form once crashed every checkpointed dropout on a GPU)."""
+    from torch._prims.rng_prims import graphsafe_run_with_rng_state, run_with_rng_state
+
+    from dscompile.passes.checkpointing import _unwrap_rng
+
+    graph = torch.fx.Graph()
+    x, state = graph.placeholder("x"), graph.placeholder("rng_state")
+    x.meta["val"] = torch.empty(4, 8)
+    state.meta["val"] = torch.empty(16, dtype=torch.uint8)
+    op = torch.ops.aten.native_dropout.default
+    if wrapper == "run_with_rng_state":
+        node = graph.call_function(run_with_rng_state, (state, op, x, 0.1, True))
+    else:
+        node = graph.call_function(graphsafe_run_with_rng_state, (op, x, 0.1, True), {"rng_state": state})
+    node.meta["val"] = (torch.empty(4, 8), torch.empty(4, 8, dtype=torch.bool))
+    inner = _unwrap_rng(node)
+    assert inner.target is op
+    assert [a.meta["val"].shape for a in inner.args[:1]] == [torch.Size([4, 8])] and inner.args[1:] == (0.1, True)
+    assert "rng_state" not in inner.kwargs
