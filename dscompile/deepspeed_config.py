@@ -246,11 +246,13 @@ def _check_allreduce_op(path: str, value: Any) -> None:
 def _check_sp_dtype(path: str, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or value.lower() not in ("fp32", "fp16", "bf16")):
         raise DSCompileConfigError(path, f"{value!r} is not a communication data type", "use fp32, fp16 or bf16")
+    # gradients of the sequence group are averaged with the data-parallel ones, in the gradients' own dtype
+    _refuse_when(path, value is not None and value.lower() != "fp32", "reducing sequence-parallel gradients in another dtype than fp32")
 
 
 def _check_sequence_parallel_size(path: str, value: Any) -> None:
+    """Ulysses sequence parallelism (passes/sequence_parallel.py): engines only; the frontend refuses it."""
     _optional_int(path, value)
-    _refuse_when(path, (value or 1) > 1, "sequence parallelism")
 
 
 _LOG_LEVELS = {name: getattr(logging, name.upper()) for name in ("debug", "info", "warning", "error", "critical")} | {"warn": logging.WARNING}
@@ -278,8 +280,8 @@ _scalar(
     _accepted_bool,
 )
 _scalar("use_data_before_expert_parallelism", "expert parallelism (only read with MoE, which is refused)", _accepted_bool)
-_scalar("seq_parallel_communication_data_type", "sequence parallelism (only read by it, which is not built)", _check_sp_dtype)
-_scalar("sequence_parallel_size", "sequence parallelism", _check_sequence_parallel_size)
+_scalar("seq_parallel_communication_data_type", "sequence parallelism's all-to-all data type", _check_sp_dtype)
+_scalar("sequence_parallel_size", "Ulysses sequence parallelism", _check_sequence_parallel_size)
 _scalar("data_parallel_size", "a device mesh (DeepSpeed reads it only with sequence_parallel_size)", _optional_int)
 _scalar("vocabulary_size", "DeepSpeed's fp16 vocabulary check", _optional_int)
 _scalar("log_level", "the log level", _check_log_level)

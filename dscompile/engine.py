@@ -289,8 +289,16 @@ def initialize(
         check_pipeline_world(world_size, pipe.stages, tp_size)
     else:
         ParallelLayout(world_size, tp_size)  # the TP size must divide the world: says so before batch sizes are resolved
-    # batch sizes and the data loader count data-parallel replicas: not pipeline stages, not TP ranks (TP innermost)
-    per_replica = tp_size * (pipe.stages if pipe is not None else 1)
+    sp_size = int(cfg.sections.get("sequence_parallel_size") or 1)
+    if sp_size > 1:
+        ParallelLayout(world_size, sp_size)  # the sequence groups are consecutive ranks, as TP's
+    # batch sizes and the data loader count data-parallel replicas: not pipeline stages, not TP or sequence ranks
+    per_replica = tp_size * sp_size * (pipe.stages if pipe is not None else 1)
+    dp_size = cfg.sections.get("data_parallel_size")
+    if dp_size is not None and dp_size != world_size // per_replica:
+        raise DSCompileConfigError(
+            "data_parallel_size", f"{dp_size} contradicts the layout: {world_size} ranks / {per_replica} per replica = {world_size // per_replica}", "drop data_parallel_size or make it agree"
+        )
     world_size, rank = world_size // per_replica, rank // per_replica
     cfg.resolve_batch_sizes(world_size)
     if pipe is not None or _zero_section(cfg) is None:

@@ -266,6 +266,12 @@ def dscompile_backend(
         raise DSCompileConfigError(
             "tensor_parallel", "splits the model's parameters, which only an engine can own", "use dscompile.initialize(model=..., config=...)"
         )
+    if int(config.sections.get("sequence_parallel_size") or 1) > 1:
+        from dscompile.errors import DSCompileConfigError
+
+        raise DSCompileConfigError(
+            "sequence_parallel_size", "splits every batch's sequence across ranks, which only an engine can feed", "use dscompile.initialize(model=..., config=...)"
+        )
     invocations = pipeline_from_config(config)
     dumper = None
     if config.dump:

@@ -849,11 +849,16 @@ class TensorParallelModule(nn.Module):
         """The model whose 16-bit outputs' dtypes the engine mirrors (probed before the first batch splits it)."""
         return self.model
 
+    def _split(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        """Capture the model at this batch and rewrite its graph (partitioning the parameters in place)."""
+        gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
+        return gm
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         broadcast_in_tp_group(list(args) + list(kwargs.values()), self.groups)
         signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
         if self._graph is None:
-            gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
+            gm = self._split(args, kwargs)
             run: nn.Module = self.after_split(gm) if self.after_split is not None else gm
             self._signature = signature
             self._training = self.model.training
@@ -885,6 +890,14 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     for key, clash in clashes.items():
         if clash:
             raise DSCompileConfigError(SECTION, f"tensor parallelism together with {key} is not built yet", f"remove {key} or the tensor_parallel section")
+    sparse = sections.get("sparse_attention")
+    if sparse is not None and getattr(sparse, "different_layout_per_head", False):
+        # each rank's attention holds a share of the heads: its layouts would be the first heads' ones
+        raise DSCompileConfigError(
+            "sparse_attention.different_layout_per_head",
+            "a layout per head under tensor parallelism (each rank attends with a share of the heads) is not built",
+            "set different_layout_per_head to false, or turn tensor_parallel off",
+        )
 
 
 class TensorParallelExtension(EngineExtension):

@@ -147,7 +147,7 @@ def test_every_deepspeed_field_is_known():
         ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
         ({"disable_python_gc": True}, "disable_python_gc"),
         ({"disable_allgather": True}, "disable_allgather"),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
+        ({"sequence_parallel_size": 2, "seq_parallel_communication_data_type": "bf16"}, "seq_parallel_communication_data_type"),
         ({"dump_state": True}, "dump_state"),
         ({"activation_checkpointing": {"contiguous_memory_optimization": True}}, "activation_checkpointing.contiguous_memory_optimization"),
     ],
