@@ -40,7 +40,7 @@ import torch
 from torch import fx, nn
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.passes.tensor_parallel import TensorParallelModule, capture
+from dscompile.passes.tensor_parallel import TensorParallelModule, capture, refuse_layouts_per_head
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sequence_parallel import (
@@ -493,14 +493,7 @@ class SequenceParallelExtension(EngineExtension):
         ):
             if clash:
                 raise DSCompileConfigError(KEY, f"sequence parallelism together with {key} is not built yet", f"remove {key} or {KEY}")
-        sparse = sections.get("sparse_attention")
-        if sparse is not None and getattr(sparse, "different_layout_per_head", False):
-            # each rank's attention holds a share of the heads: its layouts would be the first heads' ones
-            raise DSCompileConfigError(
-                "sparse_attention.different_layout_per_head",
-                "a layout per head under sequence parallelism (each rank attends with a share of the heads) is not built",
-                "set different_layout_per_head to false, or drop sequence_parallel_size",
-            )
+        refuse_layouts_per_head(sections, "sequence parallelism", f"drop {KEY}")
         self.groups: ProcessGroups = build_process_groups(self.sp)  # its "tp" groups are the sequence groups
         without = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != KEY})
         options = without if getattr(engine, "compiles_model", False) else None

@@ -890,13 +890,18 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     for key, clash in clashes.items():
         if clash:
             raise DSCompileConfigError(SECTION, f"tensor parallelism together with {key} is not built yet", f"remove {key} or the tensor_parallel section")
+    refuse_layouts_per_head(sections, "tensor parallelism", "turn tensor_parallel off")
+
+
+def refuse_layouts_per_head(sections: Mapping[str, Any], parallelism: str, fix: str) -> None:
+    """Under tensor or sequence parallelism each rank's attention holds a share of the heads, and the sparse
+    attention pass would give it the first heads' layouts: a layout per head is refused, not silently wrong."""
     sparse = sections.get("sparse_attention")
     if sparse is not None and getattr(sparse, "different_layout_per_head", False):
-        # each rank's attention holds a share of the heads: its layouts would be the first heads' ones
         raise DSCompileConfigError(
             "sparse_attention.different_layout_per_head",
-            "a layout per head under tensor parallelism (each rank attends with a share of the heads) is not built",
-            "set different_layout_per_head to false, or turn tensor_parallel off",
+            f"a layout per head under {parallelism} (each rank attends with a share of the heads) is not built",
+            f"set different_layout_per_head to false, or {fix}",
         )
 
 

@@ -42,36 +42,27 @@ def _sequence_to_heads(x: torch.Tensor, group_name: str, world: int) -> torch.Te
     return got.permute(1, 0, 2, 3, 4).reshape(b, world * h, s // world, d)
 
 
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
-        ctx.group_name, ctx.world = group_name, world
-        return _heads_to_sequence(x, group_name, world)
+class _UlyssesAllToAll(torch.autograd.Function):
+    """One of the two all-to-alls forward; the other one backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _sequence_to_heads(grad, ctx.group_name, ctx.world), None, None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
-        ctx.group_name, ctx.world = group_name, world
-        return _sequence_to_heads(x, group_name, world)
+    def forward(ctx: Any, x: torch.Tensor, group_name: str, world: int, to_sequence: bool) -> torch.Tensor:
+        ctx.group_name, ctx.world, ctx.to_sequence = group_name, world, to_sequence
+        return (_heads_to_sequence if to_sequence else _sequence_to_heads)(x, group_name, world)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _heads_to_sequence(grad, ctx.group_name, ctx.world), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return (_sequence_to_heads if ctx.to_sequence else _heads_to_sequence)(grad, ctx.group_name, ctx.world), None, None, None
 
 
 def heads_to_sequence(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     """Ulysses' all-to-all before attention: [B, H, S/N, D] -> [B, H/N, S, D]."""
-    return _HeadsToSequence.apply(x, group_name, world)
+    return _UlyssesAllToAll.apply(x, group_name, world, True)
 
 
 def sequence_to_heads(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     """Ulysses' all-to-all after attention: [B, H/N, S, D] -> [B, H, S/N, D]."""
-    return _SequenceToHeads.apply(x, group_name, world)
+    return _UlyssesAllToAll.apply(x, group_name, world, False)
 
 
 def _gather(x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
