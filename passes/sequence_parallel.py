@@ -16,8 +16,12 @@ non-strict, at the first batch, as tensor parallelism captures it) and the pass 
   all-to-all before it (all heads of a chunk -> a share of the heads over the whole sequence) and the
   reverse after it; GQA's key/value heads travel as they are when the group divides them, else they are
   repeated to the query heads first; a mask is cut to the rank's heads and padded with the sequence;
-- any other op that needs the whole sequence (a loss that shifts its labels, attention scores of the
-  explicit softmax form, a cumulative sum) gets the whole sequence gathered before it
+- a token cross-entropy over flattened logits (how Hugging Face and most training loops compute the LM
+  loss, its labels shifted beforehand) is computed on the chunk's tokens: partial sums added over the
+  group by one scalar all-reduce, a mean divided by the non-ignored targets of the whole sequence, so
+  the logits (the largest activation of a language model) are never gathered;
+- any other op that needs the whole sequence (a loss that slices the logits to shift them, attention
+  scores of the explicit softmax form, a cumulative sum) gets the whole sequence gathered before it
   (``gather_sequence``: all-gather forward, reduce-scatter backward) and runs on every rank; so does
   the graph's output. The explicit form of attention thus runs with its keys and values gathered.
 
@@ -44,6 +48,7 @@ from dscompile.passes.tensor_parallel import TensorParallelModule, capture, refu
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sequence_parallel import (
+    cross_entropy_over_chunks,
     gather_whole_sequence,
     heads_to_sequence,
     pad_attention_mask,
@@ -72,6 +77,7 @@ class SequenceParallelPlan:
     seeds: list[str] = field(default_factory=list)  # the nodes cut into chunks
     ulysses: list[str] = field(default_factory=list)  # attentions run with Ulysses' all-to-alls
     gathered: list[dict[str, str]] = field(default_factory=list)  # where the whole sequence was gathered, and why
+    chunked_losses: list[str] = field(default_factory=list)  # cross-entropies computed on the chunks (logits never gathered)
 
     @property
     def padded(self) -> bool:
@@ -279,6 +285,8 @@ class _SequenceSharder:
             self._cat(node, out_shape)
         elif target is aten.scaled_dot_product_attention.default:
             self._attention(node)
+        elif target is aten.cross_entropy_loss.default:
+            self._cross_entropy(node)
         else:
             raise _NeedsWhole("not known to work token by token")
 
@@ -364,6 +372,25 @@ class _SequenceSharder:
                     raise _NeedsWhole("concatenates a chunk with a whole tensor")
                 node.replace_input_with(t, self.chunk_of(t, dim))
         self.sharded[node] = (dim, outer)
+
+    def _cross_entropy(self, node: fx.Node) -> None:
+        """A mean or summed token loss over flattened logits ``[B * S, V]``: computed on the chunk's tokens, the
+        partial sums added over the group (the logits are never gathered)."""
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        args = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0} | dict(zip(names, node.args)) | dict(node.kwargs)
+        logits, target = args["input"], args["target"]
+        shape, target_shape = _shape(logits), _shape(target)
+        if logits not in self.sharded or target in self.sharded or shape is None or target_shape is None:
+            raise _NeedsWhole("the logits are not a chunk, or the targets are")
+        dim, outer = self.sharded[logits]
+        if len(shape) != 2 or dim != 0 or target_shape != (shape[0],):
+            raise _NeedsWhole("the logits are not [tokens, classes] with one target per token")
+        if args["weight"] is not None or args["reduction"] not in (1, 2):
+            raise _NeedsWhole("class weights or per-token losses")
+        node.target = cross_entropy_over_chunks
+        node.args = (logits, target, outer, args["reduction"], args["ignore_index"], args["label_smoothing"], self.group, self.rank, self.sp)
+        node.kwargs = {}
+        self.plan.chunked_losses.append(node.name)
 
     def _attention(self, node: fx.Node) -> None:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")

@@ -135,3 +135,44 @@ def pad_attention_mask(mask: torch.Tensor, padded: int) -> torch.Tensor:
     if mask.shape[-2] != 1:
         mask = torch.nn.functional.pad(mask, [0, 0, 0, padded - mask.shape[-2]], value=free)
     return mask
+
+
+def chunk_targets(target: torch.Tensor, outer: int, rank: int, world: int, ignore_index: int) -> torch.Tensor:
+    """This rank's chunk of flattened per-token targets ``[outer * S]``, padding (if any) ignored by the loss."""
+    per_row = target.reshape(outer, -1)
+    length = per_row.shape[1]
+    chunk = -(-length // world)
+    if chunk * world != length:
+        per_row = torch.nn.functional.pad(per_row, [0, chunk * world - length], value=ignore_index)
+    return per_row.narrow(1, rank * chunk, chunk).reshape(-1)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return _all_reduce_sum(x, group_name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce_sum(grad, ctx.group_name), None
+
+
+def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
+
+
+def cross_entropy_over_chunks(logits: torch.Tensor, target: torch.Tensor, outer: int, reduction: int, ignore_index: int,
+                              label_smoothing: float, group_name: str, rank: int, world: int) -> torch.Tensor:  # fmt: skip
+    """The cross-entropy of the whole sequence from this rank's chunk of logits ``[outer * S/N, V]``: each
+    rank sums its tokens' losses, the sums are added over the group (a scalar all-reduce, not gathered
+    logits), and a mean divides by the non-ignored targets of the whole sequence (as torch's mean does).
+    The sum's gradient is all-reduced too, which keeps every chunk's gradient on the scale the rest of the
+    graph has (the group's ranks' gradients are averaged afterwards, as for every parameter)."""
+    mine = chunk_targets(target, outer, rank, world, ignore_index)
+    local = torch.ops.aten.cross_entropy_loss(logits, mine, None, 2, ignore_index, label_smoothing)  # 2: sum
+    total = _SumOverGroup.apply(local, group_name)
+    if reduction == 2:
+        return total
+    return total / (target != ignore_index).sum()
