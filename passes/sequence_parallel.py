@@ -495,6 +495,13 @@ class SequenceParallelModule(TensorParallelModule):
     """What the engine runs: at the first batch, capture and rewrite the model; then the rewritten graph.
     Every rank of a group gets the same batch (broadcast from its first rank)."""
 
+    config_key = KEY
+
+    def captures_again(self) -> bool:
+        """The parameters are untouched, so each new batch shape or train/eval mode is captured and rewritten
+        anew (as Dynamo recompiles), unless ZeRO-2/3 wrapped the first graph over their shards."""
+        return not self._first_wrapped
+
     def _split(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         gm = capture(self.model, args, kwargs)
         group_name = self.groups.tp_group.group_name if self.groups.tp_group is not None else ""

@@ -840,9 +840,9 @@ class TensorParallelModule(nn.Module):
         self.plan: TensorParallelPlan | None = None
         # the split graph, kept out of the module tree: an exported module refuses train()/eval(), and the mode
         # is checked against the captured one instead
-        self.__dict__["_graph"] = None
-        self._signature: Any = None
-        self._training = True
+        self.__dict__["_graphs"] = {}  # (training, input signature) -> the compiled split graph
+        self._first: tuple[bool, Any] | None = None  # the mode and signature of the first capture
+        self._first_wrapped = False  # whether an extension (ZeRO-2/3) wrapped the first split graph
 
     @property
     def output_dtype_module(self) -> nn.Module:
@@ -854,29 +854,45 @@ class TensorParallelModule(nn.Module):
         gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
         return gm
 
+    config_key = SECTION  # the key errors name
+
+    def captures_again(self) -> bool:
+        """Whether another batch shape or train/eval mode may be captured and split anew (the parameters are
+        partitioned by the first split here, so no)."""
+        return False
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         broadcast_in_tp_group(list(args) + list(kwargs.values()), self.groups)
         signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
-        if self._graph is None:
+        key = (self.model.training, repr(signature))
+        graph = self._graphs.get(key)
+        if graph is None:
+            if self._first is not None and not self.captures_again():
+                self._refuse_another_capture(signature)
             gm = self._split(args, kwargs)
-            run: nn.Module = self.after_split(gm) if self.after_split is not None else gm
-            self._signature = signature
-            self._training = self.model.training
-            self.__dict__["_graph"] = torch.compile(run, backend="dscompile", options=self.compile_options) if self.compile_options is not None else run
-        elif self._training != self.model.training:
+            run: nn.Module = gm
+            if self._first is None:
+                run = self.after_split(gm) if self.after_split is not None else gm
+                self._first, self._first_wrapped = (self.model.training, signature), run is not gm
+            graph = torch.compile(run, backend="dscompile", options=self.compile_options) if self.compile_options is not None else run
+            self._graphs[key] = graph
+        return graph(*args, **kwargs)
+
+    def _refuse_another_capture(self, signature: Any) -> None:
+        assert self._first is not None
+        training, first = self._first
+        if training != self.model.training:
             raise DSCompileConfigError(
-                "tensor_parallel",
-                f"the graph was captured and split in {'training' if self._training else 'eval'} mode (dropout baked in); "
+                self.config_key,
+                f"the graph was captured and split in {'training' if training else 'eval'} mode (dropout baked in); "
                 f"the model is now in {'training' if self.model.training else 'eval'} mode",
-                "keep one mode per engine: switching train/eval after the first batch is not built under tensor parallelism",
+                f"keep one mode per engine: switching train/eval after the first batch is not built under {self.config_key}",
             )
-        elif signature != self._signature:
-            raise DSCompileConfigError(
-                "tensor_parallel",
-                f"the graph was captured and split for inputs {self._signature}; this batch is {signature}",
-                "keep the batch shape fixed (pad the last batch, or drop it: dataloader_drop_last)",
-            )
-        return self._graph(*args, **kwargs)
+        raise DSCompileConfigError(
+            self.config_key,
+            f"the graph was captured and split for inputs {first}; this batch is {signature}",
+            "keep the batch shape fixed (pad the last batch, or drop it: dataloader_drop_last)",
+        )
 
 
 def refuse_untested_compositions(engine: EngineCore) -> None:

@@ -227,3 +227,50 @@ def test_a_layout_per_head_is_refused_under_sequence_parallelism() -> None:
 
     with pytest.raises(DSCompileConfigError, match="different_layout_per_head"):
         SequenceParallelExtension(2).configure(Engine())  # type: ignore[arg-type]
+
+
+def lengths_and_modes(rank: int, world: int) -> dict[str, Any]:
+    """Batches of 8, then 5 tokens, then eval: each new shape or mode is captured and rewritten anew (the
+    parameters are untouched); ZeRO-2 wraps the first graph over its shards, so there a new length is refused."""
+    import copy
+
+    import dscompile
+    from dscompile.zoo import build, make_batch
+
+    out: dict[str, Any] = {"errs": []}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": LR}}, "sequence_parallel_size": 2, "lower": "eager"}
+    cases = {seq: build("gpt", seed=3, seq_len=seq, batch_size=2, **SIZES["gpt"]) for seq in (8, 5)}
+    model = cases[8].model
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    engine, *_ = dscompile.initialize(model=model, config=config)
+    for seq in (8, 5, 8):
+        batch = make_batch(cases[seq], seed=seq)
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(*batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["errs"].append(abs(float(loss) - float(ref_loss)))
+    engine.eval()
+    reference.eval()
+    batch = make_batch(cases[5], seed=1)
+    with torch.no_grad():
+        out["errs"].append(abs(float(engine(*batch)) - float(reference(*batch))))
+    zero2, *_ = dscompile.initialize(model=copy.deepcopy(reference).train(), config={**config, "zero_optimization": {"stage": 2}})
+    zero2(*make_batch(cases[8], seed=0))
+    try:
+        zero2(*make_batch(cases[5], seed=0))
+        out["refused"] = ""
+    except DSCompileConfigError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@requires_backend("gloo")
+def test_sequence_parallel_captures_each_new_length_and_mode() -> None:
+    for result in run_distributed_or_fail(lengths_and_modes, 2):
+        assert max(result["errs"]) < 1e-5, result
+        assert "sequence_parallel_size" in result["refused"] and "keep the batch shape fixed" in result["refused"], result
