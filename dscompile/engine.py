@@ -290,14 +290,18 @@ def initialize(
     else:
         ParallelLayout(world_size, tp_size)  # the TP size must divide the world: says so before batch sizes are resolved
     sp_size = int(cfg.sections.get("sequence_parallel_size") or 1)
-    if sp_size > 1:
-        ParallelLayout(world_size, sp_size)  # the sequence groups are consecutive ranks, as TP's
+    if world_size % sp_size:  # the sequence groups are consecutive ranks, as TP's
+        raise DSCompileConfigError(
+            "sequence_parallel_size", f"the world size {world_size} is not a multiple of {sp_size}", f"launch a multiple of {sp_size} processes"
+        )
     # batch sizes and the data loader count data-parallel replicas: not pipeline stages, not TP or sequence ranks
     per_replica = tp_size * sp_size * (pipe.stages if pipe is not None else 1)
     dp_size = cfg.sections.get("data_parallel_size")
     if dp_size is not None and dp_size != world_size // per_replica:
         raise DSCompileConfigError(
-            "data_parallel_size", f"{dp_size} contradicts the layout: {world_size} ranks / {per_replica} per replica = {world_size // per_replica}", "drop data_parallel_size or make it agree"
+            "data_parallel_size",
+            f"{dp_size} contradicts the layout: {world_size} ranks / {per_replica} per replica = {world_size // per_replica}",
+            "drop data_parallel_size or make it agree",
         )
     world_size, rank = world_size // per_replica, rank // per_replica
     cfg.resolve_batch_sizes(world_size)

@@ -270,7 +270,9 @@ def dscompile_backend(
         from dscompile.errors import DSCompileConfigError
 
         raise DSCompileConfigError(
-            "sequence_parallel_size", "splits every batch's sequence across ranks, which only an engine can feed", "use dscompile.initialize(model=..., config=...)"
+            "sequence_parallel_size",
+            "splits every batch's sequence across ranks, which only an engine can feed",
+            "use dscompile.initialize(model=..., config=...)",
         )
     invocations = pipeline_from_config(config)
     dumper = None

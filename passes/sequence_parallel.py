@@ -451,7 +451,8 @@ def _attention_length(gm: fx.GraphModule) -> int:
         if node.target is aten.scaled_dot_product_attention.default:
             q, k = _shape(node.args[0]), _shape(node.args[1])
             if q is None or k is None or q[-2] != k[-2]:
-                raise DSCompileConfigError(KEY, f"{node.name} is not a self-attention over one sequence (query {q}, key {k})", "sequence parallelism splits self-attention only")
+                what = f"{node.name} is not a self-attention over one sequence (query {q}, key {k})"
+                raise DSCompileConfigError(KEY, what, "sequence parallelism splits self-attention only")
             lengths.add(q[-2])
     if not lengths:  # attention of the explicit softmax form: the length of the token ids embedded
         for node in gm.graph.nodes:
@@ -459,7 +460,8 @@ def _attention_length(gm: fx.GraphModule) -> int:
             if index is not None and len(index) == 2:
                 log.info("sequence_parallel: no scaled_dot_product_attention; the explicit form of attention runs with its keys gathered")
                 return index[-1]
-        raise DSCompileConfigError(KEY, "the graph has neither a scaled_dot_product_attention nor an embedding of [batch, sequence] token ids", "sequence parallelism splits language models")
+        what = "the graph has neither a scaled_dot_product_attention nor an embedding of [batch, sequence] token ids"
+        raise DSCompileConfigError(KEY, what, "sequence parallelism splits language models")
     if len(lengths) != 1:
         raise DSCompileConfigError(KEY, f"attentions over different lengths {sorted(lengths)}", "sequence parallelism needs one sequence length per graph")
     return lengths.pop()
@@ -475,7 +477,8 @@ def _seeds(gm: fx.GraphModule, seq: int) -> dict[fx.Node, int]:
             if dims:
                 seeds[node] = dims[-1]
     if not seeds:
-        raise DSCompileConfigError(KEY, "found no embedding of token ids to split along the sequence", "sequence parallelism needs a model that embeds token ids")
+        what = "found no embedding of token ids to split along the sequence"
+        raise DSCompileConfigError(KEY, what, "sequence parallelism needs a model that embeds token ids")
     return seeds
 
 

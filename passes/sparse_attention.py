@@ -51,7 +51,11 @@ from dscompile.sparsity import SparseAttentionConfig, parse_sparse_attention
 log = logging.getLogger("dscompile.passes.sparse_attention")
 
 # the ATen op too: a graph captured by torch.export (tensor and sequence parallelism) and compiled again calls it
-_SDPA = {F.scaled_dot_product_attention, getattr(torch._C._nn, "scaled_dot_product_attention", None), torch.ops.aten.scaled_dot_product_attention.default} - {None}
+_SDPA = {
+    F.scaled_dot_product_attention,
+    getattr(torch._C._nn, "scaled_dot_product_attention", None),
+    torch.ops.aten.scaled_dot_product_attention.default,
+} - {None}
 _MATMUL_FNS = {operator.matmul, torch.matmul}
 _SOFTMAX_FNS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
 _DROPOUT_FNS = {F.dropout, torch.dropout}

@@ -114,8 +114,9 @@ def test_sequence_parallel_needs_a_world_it_divides() -> None:
     from dscompile.zoo import build
 
     case = build("gpt", seed=0, seq_len=8, **SIZES["gpt"])
-    with pytest.raises(DSCompileConfigError, match="1"):
-        dscompile.initialize(model=case.model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "sequence_parallel_size": 2})
+    with pytest.raises(DSCompileConfigError, match="sequence_parallel_size': the world size 1 is not a multiple of 2"):
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "sequence_parallel_size": 2}
+        dscompile.initialize(model=case.model, config=config)
 
 
 def test_sequence_parallel_gradients_in_another_dtype_are_refused_by_name() -> None:
