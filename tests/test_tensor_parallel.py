@@ -246,3 +246,49 @@ def test_tp2_times_dp2_on_4_ranks() -> None:
             assert r["same_optimizer"], zero  # the optimizer initialize returned is the one stepped (ZeRO moved it in place)
             for step, (norm, ref_norm) in enumerate(r["norms"]):  # after one AdamW step: 1e-3, as the parameters
                 assert norm == pytest.approx(ref_norm, rel=1e-5 if step == 0 else 1e-3) and ref_norm > CLIP, (zero, step, norm, ref_norm)
+
+
+def six_heads_on_four_ranks(rank: int, world: int) -> dict[str, Any]:
+    """TP=4 for a Llama with 6 query heads over 3 KV heads (GQA), a 27-unit MLP and a 41-word vocabulary split
+    by rows: every split padded (one KV group on ranks 0-2, none on rank 3; MLP units 7/7/7/6), SGD steps
+    against the unsplit model on one process."""
+    import dscompile
+    from dscompile.zoo import build, make_batch
+
+    sizes = {"seq_len": 8, "d_model": 24, "n_heads": 6, "n_kv_heads": 3, "n_layers": 1, "vocab_size": 41, "hidden_dim": 27}
+    case, ref = build("llama", seed=3, **sizes), build("llama", seed=3, **sizes)
+    cfg = {"optimizer": SGD, "lower": "eager", "tensor_parallel": {"autotp_size": 4, "vocab_parallel_lm_head": True}}
+    engine, *_ = dscompile.initialize(model=case.model, config=cfg)
+    ref_opt = torch.optim.SGD(ref.model.parameters(), lr=SGD["params"]["lr"])
+    loss_err, grad_err = 0.0, 0.0
+    for step in range(4):
+        batch = make_batch(case, seed=step)
+        loss = engine(*batch)
+        engine.backward(loss)
+        ref_loss = ref.model(*batch)
+        ref_loss.backward()
+        grads = engine.extension("tensor_parallel").full_gradients()
+        grad_err = max(grad_err, *(_relative(grads[n], p.grad) for n, p in ref.model.named_parameters()))
+        engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_err = max(loss_err, abs(float(loss) - float(ref_loss)) / float(ref_loss))
+    full = engine.full_parameters()
+    plan = engine.extension("tensor_parallel").plan
+    return {
+        "loss_err": loss_err,
+        "grad_err": grad_err,
+        "param_err": max(_relative(full[n], p.detach()) for n, p in ref.model.named_parameters()),
+        "split": len(plan.split),
+        "replicated": plan.replicated,
+        "vocab": plan.vocab,
+    }
+
+
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_six_heads_train_on_tp4() -> None:
+    for r in run_distributed_or_fail(six_heads_on_four_ranks, 4):
+        assert r["split"] == 2 and not r["replicated"], r  # attention and MLP both split, padded
+        assert r["vocab"] and r["vocab"][0]["vocab"] == 41, r
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5 and r["param_err"] < 1e-5, r
