@@ -35,9 +35,11 @@ its group, batch sizes counted per group.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import operator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,7 +71,8 @@ def sequence_parallel_size(config: Any) -> int:
 
 @dataclass
 class SequenceParallelPlan:
-    """The pass's decisions, for the dump, tests and users (``engine.extension("sequence_parallel").plan``)."""
+    """The pass's decisions, for users and tests (``engine.extension("sequence_parallel").plan``) and the dump
+    (``DUMP/sequence_parallel_plan_<tokens>.json``, one per captured length)."""
 
     sp_size: int
     seq_len: int
@@ -505,10 +508,21 @@ class SequenceParallelModule(TensorParallelModule):
         anew (as Dynamo recompiles), unless ZeRO-2/3 wrapped the first graph over their shards."""
         return not self._first_wrapped
 
+    dump_dir: str | None = None  # the config's dump directory: the plan is written there as JSON
+
     def _split(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         gm = capture(self.model, args, kwargs)
         group_name = self.groups.tp_group.group_name if self.groups.tp_group is not None else ""
-        self.plan = shard_sequence(gm, self.groups.tp_size, self.groups.tp_rank, group_name)
+        plan = shard_sequence(gm, self.groups.tp_size, self.groups.tp_rank, group_name)
+        self.plan = plan
+        log.info(
+            "sequence_parallel: %d tokens in chunks of %d over %d ranks; %d attention(s) Ulysses, %d loss(es) on chunks, %d gather(s)",
+            plan.seq_len, plan.chunk, plan.sp_size, len(plan.ulysses), len(plan.chunked_losses), len(plan.gathered),
+        )  # fmt: skip
+        if self.dump_dir and self.groups.rank == 0:
+            root = Path(self.dump_dir)
+            root.mkdir(parents=True, exist_ok=True)
+            (root / f"sequence_parallel_plan_{plan.seq_len}.json").write_text(json.dumps(dataclasses.asdict(plan), indent=2))
         return gm
 
 
@@ -537,6 +551,7 @@ class SequenceParallelExtension(EngineExtension):
         engine.compiles_model = False  # type: ignore[attr-defined]  # the module compiles its rewritten graph itself
         self.engine = engine
         self.module = SequenceParallelModule(engine.module, self.groups, None, options, self._after_split)
+        self.module.dump_dir = engine.config.dump or None
         engine.compile_target = self.module  # type: ignore[attr-defined]
         engine.after_parameters_split = []  # type: ignore[attr-defined]  # ZeRO partitions once the graph is captured
 

@@ -161,7 +161,8 @@ def test_sequence_parallel_composes_with_data_parallel_zero_on_four_ranks() -> N
 
 
 def checkpoint_round_trip(rank: int, world: int, save_dir: str) -> float:
-    """Save under SP=2 + ZeRO-2, load into an engine built from other weights, train both one more step."""
+    """Save under SP=2 + ZeRO-2, load into an engine built from other weights, train both one more step (the
+    first engine also dumps: its plan is written as JSON)."""
     import dscompile
     from dscompile.zoo import build, make_batch
 
@@ -170,7 +171,8 @@ def checkpoint_round_trip(rank: int, world: int, save_dir: str) -> float:
     engines = []
     for seed in (3, 4):
         case = build("hf_llama", seed=seed, seq_len=7, batch_size=2, **SIZES["hf_llama"])
-        engines.append(dscompile.initialize(model=case.model, config=config)[0])
+        dump = {"dump": f"{save_dir}/dump"} if not engines else {}
+        engines.append(dscompile.initialize(model=case.model, config={**config, **dump})[0])
     first, second = engines
     for step in range(2):
         first.backward(first(*make_batch(case, seed=step)))
@@ -187,7 +189,11 @@ def checkpoint_round_trip(rank: int, world: int, save_dir: str) -> float:
 
 @requires_backend("gloo")
 def test_sequence_parallel_checkpoints_resume_exactly(tmp_path: Any) -> None:
+    import json
+
     assert run_distributed_or_fail(checkpoint_round_trip, 2, str(tmp_path)) == [0.0, 0.0]
+    plan = json.loads((tmp_path / "dump" / "sequence_parallel_plan_7.json").read_text())
+    assert plan["sp_size"] == 2 and plan["chunk"] == 4 and len(plan["ulysses"]) == 2 and plan["chunked_losses"], plan
 
 
 SPARSE = {"mode": "fixed", "block": 8, "num_local_blocks": 2, "num_global_blocks": 1, "attention": "unidirectional"}
