@@ -59,6 +59,7 @@ LONGEST_FILES = (
     "test_zero_offload.py",
     "test_pipeline_parallel_distributed.py",
     "test_tensor_parallel.py",
+    "test_sequence_parallel.py",
     "test_onebit_optimizers.py",
     "test_zero_checkpoint.py",
     "test_dropout_training.py",

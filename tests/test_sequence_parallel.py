@@ -82,10 +82,11 @@ def train_against_single_process(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @requires_backend("gloo")
 def test_sequence_parallel_trains_like_one_process() -> None:
-    results = run_distributed_or_fail(train_against_single_process, 2)
+    results = run_distributed_or_fail(train_against_single_process, 2, timeout=600)
     for name, seq, _ in RUNS:
         for rank, result in enumerate(results):
             r = result[name]
@@ -153,9 +154,10 @@ def two_groups_of_two(rank: int, world: int) -> dict[str, Any]:
     return {"update_err": max(errs.values()), "train_batch_size": engine.train_batch_size()}
 
 
+@pytest.mark.distributed
 @requires_backend("gloo")
 def test_sequence_parallel_composes_with_data_parallel_zero_on_four_ranks() -> None:
-    for result in run_distributed_or_fail(two_groups_of_two, 4):
+    for result in run_distributed_or_fail(two_groups_of_two, 4, timeout=300):
         assert result["update_err"] < 1e-4, result
         assert result["train_batch_size"] == 4  # two data-parallel replicas of micro-batch 2
 
@@ -187,11 +189,12 @@ def checkpoint_round_trip(rank: int, world: int, save_dir: str) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
+@pytest.mark.distributed
 @requires_backend("gloo")
 def test_sequence_parallel_checkpoints_resume_exactly(tmp_path: Any) -> None:
     import json
 
-    assert run_distributed_or_fail(checkpoint_round_trip, 2, str(tmp_path)) == [0.0, 0.0]
+    assert run_distributed_or_fail(checkpoint_round_trip, 2, str(tmp_path), timeout=300) == [0.0, 0.0]
     plan = json.loads((tmp_path / "dump" / "sequence_parallel_plan_7.json").read_text())
     assert plan["sp_size"] == 2 and plan["chunk"] == 4 and len(plan["ulysses"]) == 2 and plan["chunked_losses"], plan
 
@@ -217,9 +220,10 @@ def sparse_attention_losses(rank: int, world: int) -> tuple[float, float, float]
     return float(engine(*batch)), float(sparse_reference(*batch)), float(dense(*batch))
 
 
+@pytest.mark.distributed
 @requires_backend("gloo")
 def test_sequence_parallel_composes_with_sparse_attention() -> None:
-    for ours, sparse, dense in run_distributed_or_fail(sparse_attention_losses, 2):
+    for ours, sparse, dense in run_distributed_or_fail(sparse_attention_losses, 2, timeout=300):
         assert abs(ours - sparse) <= 1e-5 * abs(sparse), (ours, sparse)
         assert abs(ours - dense) > 1e-5, "the sparse layout was not applied"
 
@@ -276,8 +280,9 @@ def lengths_and_modes(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.distributed
 @requires_backend("gloo")
 def test_sequence_parallel_captures_each_new_length_and_mode() -> None:
-    for result in run_distributed_or_fail(lengths_and_modes, 2):
+    for result in run_distributed_or_fail(lengths_and_modes, 2, timeout=300):
         assert max(result["errs"]) < 1e-5, result
         assert "sequence_parallel_size" in result["refused"] and "keep the batch shape fixed" in result["refused"], result
