@@ -136,20 +136,13 @@ class TensorParallelGraphs:
         gm = capture(module, args, kwargs or {})
         blocks, whole = find_blocks(gm, self.tp_size)
         blocks = apply_layer_specs(blocks, whole, PartitionConfig(), [n for n, _ in module.named_parameters()])
-        padded = [(b.row.weight, b.units) for b in blocks if b.units % self.tp_size]
-        if whole or not blocks or padded:
-            reasons = "; ".join(
-                [f"{w['row']}: {w['reason']}" for w in whole]
-                + [
-                    f"{w}: {units} heads or hidden units, not divisible by TP={self.tp_size} (training pads them; the sliced KV cache "
-                    "of inference takes no padding yet)"
-                    for w, units in padded
-                ]
-            ) or "no linear adds to a residual stream"
+        if whole or not blocks:
+            reasons = "; ".join(f"{w['row']}: {w['reason']}" for w in whole) or "no linear adds to a residual stream"
             raise DSCompileConfigError(
                 "tensor_parallel.tp_size",
                 f"{type(self.model).__name__} cannot be split across {self.tp_size} ranks for inference ({reasons})",
-                "use a tp_size that divides the attention heads, the key/value heads and the hidden sizes",
+                "tensor-parallel inference splits transformer blocks (linears feeding attention or an MLP whose output is "
+                "added to the residual stream); run this model without tensor_parallel",
             )
         slices = rewrite(gm, blocks, self.group_name, self.tp_size, self.groups.tp_rank)
         params = {n[len(prefix) :]: s for n, s in slices.items() if n.startswith(prefix)}

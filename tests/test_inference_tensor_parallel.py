@@ -5,7 +5,8 @@ compares with a single-process run of the same model and prompts (Hugging Face's
 which ``tests/test_inference.py`` holds ``init_inference`` to): the tokens must
 be identical and the per-step logits within 1e-5 (fp32), the KV cache of each rank must hold half the
 key/value heads, and the decode graph must be captured once for all the tokens. A TP size that does
-not divide the heads is a clear error. ``lower: eager`` runs the split graphs op by op (the training
+not divide the heads (6 query heads over 3 KV heads on 2 ranks) is padded and generates the same
+tokens. ``lower: eager`` runs the split graphs op by op (the training
 TP tests compile the same split graphs under Inductor).
 """
 
@@ -56,9 +57,19 @@ def generate_both(rank: int, world: int) -> dict[str, Any]:
         with torch.no_grad():
             out[arch]["same_tokens_again"] = torch.equal(again, single.generate(ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=3, do_sample=False))
         out[arch]["compiles_after"] = dict(engine.compile_counts)
-    try:
-        bad = tiny("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
-        dscompile.init_inference(bad, dtype=torch.float32, lower="eager", tensor_parallel={"tp_size": 2}).generate(ids, max_new_tokens=2)
+    # 6 query heads over 3 KV heads on TP=2: KV groups 2 + 1, padded (rank 1 runs a zero-weight group, its cache a zero head)
+    uneven, single = (tiny("llama", hidden_size=24, num_attention_heads=6, num_key_value_heads=3) for _ in range(2))
+    engine = dscompile.init_inference(uneven, dtype=torch.float32, max_out_tokens=32, lower="eager", tensor_parallel={"tp_size": 2})
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = single.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    out["uneven"] = {
+        "same_tokens": torch.equal(got.sequences, ref.sequences),
+        "logit_err": float((torch.stack(got.logits) - torch.stack(ref.logits)).abs().max()),
+        "cache_heads": engine._static_generator().cache_for(2, ids.device).layers[0].keys.shape[1],
+    }
+    try:  # a model the pass finds nothing to split in: a clear error
+        dscompile.init_inference(torch.nn.Linear(4, 4), dtype=torch.float32, lower="eager", tensor_parallel={"tp_size": 2})(torch.randn(2, 4))
         out["error"] = None
     except DSCompileConfigError as exc:
         out["error"] = str(exc)
@@ -79,4 +90,6 @@ def test_tp2_generation_matches_single_process() -> None:
             assert r["blocks"] == 4, r  # attention + MLP of both layers
             assert r["compiles"] == {"forward": 1, "prefill": 1, "decode": 1}, r["compiles"]
             assert r["compiles_after"] == {"forward": 1, "prefill": 2, "decode": 1}, r["compiles_after"]
-        assert "tensor_parallel.tp_size" in result["error"] and "not divisible by TP=2" in result["error"], result["error"]
+        u = result["uneven"]
+        assert u["same_tokens"] and u["logit_err"] <= 1e-5 and u["cache_heads"] == 2, (rank, u)  # ceil(3 / 2) KV heads per rank
+        assert "tensor_parallel.tp_size" in result["error"] and "cannot be split across 2 ranks" in result["error"], result["error"]

@@ -114,7 +114,8 @@ class StaticCacheGenerator:
 
     ``prefill`` and ``decode`` are the compiled step functions (``fn(**model_kwargs) -> logits``);
     the generator owns the caches (one per batch size and dtype, reset between calls). Under tensor
-    parallelism (``tp_size`` ranks) each rank's cache holds its ``kv_heads / tp_size`` heads.
+    parallelism (``tp_size`` ranks) each rank's cache holds ``ceil(kv_heads / tp_size)`` heads (its share,
+    padded to the largest share when TP does not divide them).
     """
 
     def __init__(self, model: nn.Module, max_out_tokens: int, min_out_tokens: int, prefill: StepFn, decode: StepFn, tp_size: int = 1) -> None:
@@ -139,7 +140,9 @@ class StaticCacheGenerator:
             # Allocated here, outside the graphs: lazily, the first (compiled) prefill would create the
             # tensors inside its graph, and the decode graph would never see them as the same state.
             heads, head_dim = kv_heads_and_dim(self.model.config)
-            cache.early_initialization(batch, heads // self.tp_size, head_dim, dtype, device)
+            # each rank's share of the KV heads, padded to the largest share when TP does not divide them
+            # (the split graph runs every rank on that many heads, the padding's weights zero)
+            cache.early_initialization(batch, -(-heads // self.tp_size), head_dim, dtype, device)
             self._caches[key] = cache
         else:
             cache.reset()
