@@ -41,6 +41,18 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def _step_both(engine: Any, reference: torch.nn.Module, ref_opt: torch.optim.Optimizer, batch: tuple) -> tuple[float, float]:
+    """One training step of the engine and of the single-process reference on the same batch: both losses."""
+    loss = engine(*batch)
+    engine.backward(loss)
+    engine.step()
+    ref_loss = reference(*batch)
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return float(loss), float(ref_loss)
+
+
 def train_against_single_process(rank: int, world: int) -> dict[str, Any]:
     import copy
 
@@ -57,15 +69,8 @@ def train_against_single_process(rank: int, world: int) -> dict[str, Any]:
         ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
         loss_err = 0.0
         for step in range(STEPS):
-            batch = make_batch(case, seed=10 + step)
-            loss = engine(*batch)
-            engine.backward(loss)
-            engine.step()
-            ref_loss = reference(*batch)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            loss_err = max(loss_err, abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
+            loss, ref_loss = _step_both(engine, reference, ref_opt, make_batch(case, seed=10 + step))
+            loss_err = max(loss_err, abs(loss - ref_loss) / abs(ref_loss))
         full = engine.full_parameters()
         update_err = {n: _relative(full[n] - before[n], p.detach() - before[n]) for n, p in reference.named_parameters()}
         plan = engine.extension("sequence_parallel").plan
@@ -256,15 +261,8 @@ def lengths_and_modes(rank: int, world: int) -> dict[str, Any]:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     engine, *_ = dscompile.initialize(model=model, config=config)
     for seq in (8, 5, 8):
-        batch = make_batch(cases[seq], seed=seq)
-        loss = engine(*batch)
-        engine.backward(loss)
-        engine.step()
-        ref_loss = reference(*batch)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        out["errs"].append(abs(float(loss) - float(ref_loss)))
+        loss, ref_loss = _step_both(engine, reference, ref_opt, make_batch(cases[seq], seed=seq))
+        out["errs"].append(abs(loss - ref_loss))
     engine.eval()
     reference.eval()
     batch = make_batch(cases[5], seed=1)
