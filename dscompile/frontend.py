@@ -260,20 +260,18 @@ def dscompile_backend(
         raise DSCompileConfigError(next(iter(unexpected)), "is not an argument of the dscompile backend", "pass settings inside options={...}")
     config = load_config(options)
     tp = config.sections.get("tensor_parallel")
-    if tp is not None and getattr(tp, "enabled", False):
-        from dscompile.errors import DSCompileConfigError
-
-        raise DSCompileConfigError(
-            "tensor_parallel", "splits the model's parameters, which only an engine can own", "use dscompile.initialize(model=..., config=...)"
-        )
-    if int(config.sections.get("sequence_parallel_size") or 1) > 1:
-        from dscompile.errors import DSCompileConfigError
-
-        raise DSCompileConfigError(
-            "sequence_parallel_size",
+    engine_only = {
+        "tensor_parallel": (tp is not None and getattr(tp, "enabled", False), "splits the model's parameters, which only an engine can own"),
+        "sequence_parallel_size": (
+            int(config.sections.get("sequence_parallel_size") or 1) > 1,
             "splits every batch's sequence across ranks, which only an engine can feed",
-            "use dscompile.initialize(model=..., config=...)",
-        )
+        ),
+    }
+    for key, (on, why) in engine_only.items():
+        if on:
+            from dscompile.errors import DSCompileConfigError
+
+            raise DSCompileConfigError(key, why, "use dscompile.initialize(model=..., config=...)")
     invocations = pipeline_from_config(config)
     dumper = None
     if config.dump:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from dscompile.runtime.tensor_parallel import sum_in_group
+
 
 def _all_to_all(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     """Chunk ``i`` of dim 0 goes to rank ``i``; chunk ``i`` of the result came from rank ``i``."""
@@ -106,12 +108,12 @@ def gather_sequence(x: torch.Tensor, dim: int, group_name: str, world: int, oute
     return whole.reshape(*shape[:dim], outer * world * (shape[dim] // outer), *shape[dim + 1 :])
 
 
-def sequence_chunk(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's chunk of dim ``dim``, the sequence zero-padded at its end to a multiple of ``world``."""
+def sequence_chunk(x: torch.Tensor, dim: int, rank: int, world: int, pad_value: float = 0) -> torch.Tensor:
+    """This rank's chunk of dim ``dim``, the sequence padded with ``pad_value`` at its end to a multiple of ``world``."""
     length = x.shape[dim]
     chunk = -(-length // world)
     if chunk * world != length:
-        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, chunk * world - length])
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, chunk * world - length], value=pad_value)
     return x.narrow(dim, rank * chunk, chunk)
 
 
@@ -139,28 +141,18 @@ def pad_attention_mask(mask: torch.Tensor, padded: int) -> torch.Tensor:
 
 def chunk_targets(target: torch.Tensor, outer: int, rank: int, world: int, ignore_index: int) -> torch.Tensor:
     """This rank's chunk of flattened per-token targets ``[outer * S]``, padding (if any) ignored by the loss."""
-    per_row = target.reshape(outer, -1)
-    length = per_row.shape[1]
-    chunk = -(-length // world)
-    if chunk * world != length:
-        per_row = torch.nn.functional.pad(per_row, [0, chunk * world - length], value=ignore_index)
-    return per_row.narrow(1, rank * chunk, chunk).reshape(-1)
+    return sequence_chunk(target.reshape(outer, -1), 1, rank, world, pad_value=ignore_index).reshape(-1)
 
 
 class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
         ctx.group_name = group_name
-        return _all_reduce_sum(x, group_name)
+        return sum_in_group(x, group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce_sum(grad, ctx.group_name), None
-
-
-def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    c10d = torch.ops._c10d_functional
-    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
+        return sum_in_group(grad, ctx.group_name), None
 
 
 def cross_entropy_over_chunks(logits: torch.Tensor, target: torch.Tensor, outer: int, reduction: int, ignore_index: int,

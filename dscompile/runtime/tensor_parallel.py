@@ -28,8 +28,8 @@ from dscompile.runtime.engine_core import EngineCore, GradientStrategy, scale_gr
 from dscompile.runtime.process_groups import ProcessGroups
 
 
-def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum over the TP group as one functional collective and its wait (graph nodes once traced)."""
+def sum_in_group(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum over a process group (by name) as one functional collective and its wait (graph nodes once traced)."""
     c10d = torch.ops._c10d_functional
     return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
 
@@ -42,13 +42,13 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+        return sum_in_group(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return _all_reduce(x, group)
+        return sum_in_group(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -97,13 +97,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = _all_reduce_max(x.detach().amax(dim=-1), group)
         shifted = x - row_max.unsqueeze(-1)
         exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        sum_exp = sum_in_group(exp.sum(dim=-1), group)
         valid = targets != ignore_index
         local = targets - first
         mine = valid & (local >= 0) & (local < count)
         index = torch.where(mine, local, torch.zeros_like(local)).unsqueeze(-1)
         picked = torch.where(mine, shifted.gather(-1, index).squeeze(-1), torch.zeros_like(row_max))
-        target_logit = _all_reduce(picked, group)
+        target_logit = sum_in_group(picked, group)
         losses = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(row_max))
         n_valid = valid.sum()
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, mine, valid, n_valid)
