@@ -36,6 +36,7 @@ from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.process_exit import init_process_group
 from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups
 from dscompile.runtime.schedulers import build_scheduler
+from dscompile.runtime.tensor_parallel import TensorParallelGradients, TensorParallelOver
 from dscompile.runtime.zero_extension import shard_optimizer
 from dscompile.runtime.zero_init import materialize
 from dscompile.runtime.zero_shard import ZeroModule, collective_failures_explained, run_agreeing
@@ -181,12 +182,10 @@ class DSCompileEngine(nn.Module, EngineCore):
         from dscompile.runtime import zero_checkpoint
 
         kind = zero_checkpoint.checkpoint_kind(directory)
-        if kind == "dscompile-tp" and getattr(self, "process_groups", None) is None:
-            raise zero_checkpoint.CheckpointError(
-                f"{directory} holds tensor-parallel slices; load it into an engine with the tensor_parallel section, "
-                "or consolidate it first with `dscompile zero-to-fp32`"
-            )
-        if getattr(self, "zero", None) is not None or kind not in ("dscompile-full", "dscompile-tp"):  # ZeRO, DeepSpeed's, re-layout
+        if isinstance(self.gradients, (TensorParallelGradients, TensorParallelOver)):  # cut to this rank's slices, whatever wrote it
+            client = self.gradients.load_checkpoint(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            return str(directory), client
+        if getattr(self, "zero", None) is not None or kind != "dscompile-full":  # ZeRO, DeepSpeed's, TP slices joined, re-layout
             return str(directory), zero_checkpoint.load_into(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         client = self.gradients.load_checkpoint(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return str(directory), client

@@ -77,6 +77,7 @@ from dscompile.runtime.tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from dscompile.runtime.tensor_parallel_checkpoint import restore_optimizer
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
 aten = torch.ops.aten
@@ -946,8 +947,9 @@ class TensorParallelExtension(EngineExtension):
         self.module = TensorParallelModule(engine.module, groups, self.tc, options, self._after_split)
         engine.compile_target = self.module  # type: ignore[attr-defined]
         engine.process_groups = groups  # type: ignore[attr-defined]
-        engine.gradients = TensorParallelGradients(engine.module, groups, self.slices)
+        engine.gradients = TensorParallelGradients(engine.module, groups, self.slices, defer_optimizer=self._defer_optimizer)
         self.engine = engine
+        self._pending: Any = None  # a checkpoint's optimizer states (and generators) loaded before the first batch split the model
         # extensions that partition parameters themselves (ZeRO) append here: run once the model is split, each
         # takes the module that runs the split graph and returns the one to run (ZeRO-2/3 wrap it over their shards)
         engine.after_parameters_split = []  # type: ignore[attr-defined]
@@ -959,7 +961,15 @@ class TensorParallelExtension(EngineExtension):
             split = callback(split)
         if not isinstance(engine.gradients, TensorParallelGradients):  # ZeRO-1 took over: gather its TP slices too
             engine.gradients = TensorParallelOver(engine.gradients, self.groups, self.slices)  # type: ignore[arg-type]
+        if self._pending is not None:
+            assert self.groups is not None
+            restore_optimizer(engine, self._pending, self.slices(), self.groups)
+            self._pending = None
         return split
+
+    def _defer_optimizer(self, full: Any) -> None:
+        """``load_checkpoint`` before the first batch: the optimizer states wait until the slices (and shards) exist."""
+        self._pending = full
 
     @property
     def plan(self) -> TensorParallelPlan | None:

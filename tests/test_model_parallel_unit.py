@@ -140,8 +140,7 @@ def _reference() -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import dscompile
-    from dscompile.runtime.checkpoint_io import CheckpointReader
-    from dscompile.runtime.tensor_parallel import consolidate
+    from dscompile.runtime.zero_checkpoint import zero_to_fp32
 
     mpu = _Mpu(tp=2)
     out: dict[str, Any] = {}
@@ -162,10 +161,9 @@ def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
         out[stage] = {"params": engine.full_parameters()}
-        if stage == 0:
-            engine.save_checkpoint(tmp, tag="mpu")
-            dist.barrier()
-            out["consolidated"] = consolidate(CheckpointReader(f"{tmp}/mpu"))
+        engine.save_checkpoint(tmp, tag=f"mpu{stage}")  # per TP rank; under ZeRO each TP rank's shards over its DP group
+        dist.barrier()
+        out[f"consolidated{stage}"] = zero_to_fp32(f"{tmp}/mpu{stage}")
     return out
 
 
@@ -175,8 +173,8 @@ def test_mpu_tp2_dp2_matches_single_process(tmp_path) -> None:
     ref = _reference()
     names = _names()
     for r in ranks:
-        for key in (0, 1, 2, 3, "consolidated"):
-            got = r[key]["params"] if key != "consolidated" else r[key]
+        for key in (0, 1, 2, 3, "consolidated0", "consolidated1", "consolidated2", "consolidated3"):
+            got = r[key]["params"] if isinstance(key, int) else r[key]
             assert set(got) == set(names), (key, sorted(got))
             for split_name, full_name in names.items():
                 want = ref[full_name]

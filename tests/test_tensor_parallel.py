@@ -8,8 +8,6 @@ lowering (Inductor) compiles the split graphs.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from typing import Any
 
 import pytest
@@ -34,7 +32,6 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def checkpoint_round_trip(rank: int, save_dir: str) -> dict[str, Any]:
     """Save a TP=2 engine, consolidate with zero-to-fp32, resume into a new engine (own slices, optimizer too)."""
     import dscompile
-    from dscompile.errors import DSCompileConfigError
     from dscompile.runtime.zero_checkpoint import zero_to_fp32
     from dscompile.zoo import build, make_batch
 
@@ -206,17 +203,7 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
             ref_opt.step()
             ref_opt.zero_grad()
         full = engine.full_parameters()
-        refusal = ""
-        if zero:
-            directory = tempfile.mkdtemp(prefix="dscompile-tp-zero-")
-            try:
-                engine.save_checkpoint(directory)
-            except DSCompileConfigError as exc:
-                refusal = str(exc)
-            finally:
-                shutil.rmtree(directory, ignore_errors=True)
         out[zero] = {
-            "refusal": refusal,
             "tp_ranks": groups.tp_ranks,
             "dp_ranks": groups.dp_ranks,
             "dp_world": engine.data_parallel_world_size(),
@@ -239,8 +226,6 @@ def test_tp2_times_dp2_on_4_ranks() -> None:
         assert [r["dp_ranks"] for r in rows] == [[0, 2], [1, 3], [0, 2], [1, 3]]
         for r in rows:
             assert r["dp_world"] == 2 and r["zero_world"] == (2 if zero else None)
-            if zero:  # refused alike on every rank, naming the key and what to do instead
-                assert "tensor_parallel" in r["refusal"] and "save_16bit_model" in r["refusal"], r["refusal"]
             # AdamW, 10 steps: the issue allows 1e-3 relative; measured 3e-5, so 2e-4 still catches a weight-decay mismatch (1e-4 a step)
             assert r["param_err"] < 2e-4, (zero, r["param_err"])
             assert r["same_optimizer"], zero  # the optimizer initialize returned is the one stepped (ZeRO moved it in place)

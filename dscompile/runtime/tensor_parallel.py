@@ -23,7 +23,7 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.data_parallel import DataParallelGradients
-from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
+from dscompile.runtime.devices import accelerator_devices, capture_rng
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy, scale_gradients_to_norm
 from dscompile.runtime.process_groups import ProcessGroups
 
@@ -193,10 +193,13 @@ class TensorParallelGradients(DataParallelGradients):
 
     name = "tensor_parallel"
 
-    def __init__(self, module: nn.Module, groups: ProcessGroups, slices: Callable[[], dict[str, SliceSpec]]) -> None:
+    def __init__(
+        self, module: nn.Module, groups: ProcessGroups, slices: Callable[[], dict[str, SliceSpec]], defer_optimizer: Callable[[Any], None] | None = None
+    ) -> None:
         super().__init__(module, group=groups.dp_group, group_ranks=groups.dp_ranks)
         self.groups = groups
         self._slices = slices  # the pass's plan, known after the first forward captured the graph
+        self.defer_optimizer = defer_optimizer  # keeps a checkpoint's optimizer states loaded before the split for after it
 
     def _sliced_ids(self) -> set[int]:
         specs = self._slices()
@@ -233,6 +236,8 @@ class TensorParallelGradients(DataParallelGradients):
     # -- checkpoints: one file per TP rank (DeepSpeed's mp_rank_XX names), written by DP rank 0 --------
     def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
         """``mp_rank_{tp:02d}_model_states.pt``: this rank's slices, optimizer, the core's share, and the slicing."""
+        from dscompile.runtime.zero_checkpoint import optimizer_param_names
+
         specs = self._slices()
         if not specs:
             raise RuntimeError("save_checkpoint before the first batch: the model is not split yet (train one step first)")
@@ -241,12 +246,10 @@ class TensorParallelGradients(DataParallelGradients):
         state = {
             "module": self.module.state_dict(),
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+            "optimizer_param_names": optimizer_param_names(engine),
             **engine.core_state_dict(client_state),
-            "tensor_parallel": {
-                "tp_size": self.groups.tp_size,
-                "tp_rank": self.groups.tp_rank,
-                "slices": {n: {"dim": sp.dim, "blocks": sp.blocks, "units": sp.units} for n, sp in specs.items()},
-            },
+            "loss_scaler": engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None,
+            "tensor_parallel": slicing_metadata(self.groups, specs),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "python": random.getstate(),
@@ -258,36 +261,12 @@ class TensorParallelGradients(DataParallelGradients):
     def load_checkpoint(
         self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
-        """Each rank its own file when the model is already split on the same TP size; the consolidated
-        weights otherwise (before the first batch, any TP size: the first batch then splits them)."""
-        from dscompile.runtime.checkpoint_io import CheckpointReader
+        """Any checkpoint (TP of any size, with or without ZeRO; ZeRO; DeepSpeed's) cut to this rank's slices."""
+        from dscompile.runtime import tensor_parallel_checkpoint
 
-        reader = CheckpointReader(directory)
-        own: dict[str, Any] = reader.load(tp_file_name(0))
-        saved_tp = own["tensor_parallel"]["tp_size"]
-        if self._slices():
-            if saved_tp != self.groups.tp_size:
-                raise RuntimeError(
-                    f"{directory} was saved with TP={saved_tp}, this engine is split {self.groups.tp_size} ways: load it before the first batch "
-                    "(the consolidated weights are then split anew) or consolidate it with `dscompile zero-to-fp32`"
-                )
-            own = reader.load(tp_file_name(self.groups.tp_rank)) if self.groups.tp_rank else own
-            self.module.load_state_dict(own["module"])
-            if not load_module_only and load_optimizer_states and engine.optimizer is not None and own["optimizer"] is not None:
-                engine.optimizer.load_state_dict(own["optimizer"])
-        else:
-            self.module.load_state_dict(consolidate(reader))
-            if not load_module_only and load_optimizer_states and own["optimizer"] is not None and own["optimizer"]["state"]:
-                raise RuntimeError(
-                    "loading optimizer states into a tensor-parallel engine before its first batch is not built: "
-                    "pass load_optimizer_states=False, or run one batch first and load then"
-                )
-        if not load_module_only:
-            engine.load_core_state_dict(own, load_lr_scheduler_states)
-            torch.set_rng_state(own["rng"]["torch"])
-            restore_rng(RngState.from_dict(own["rng"]["devices"]))
-            random.setstate(own["rng"]["python"])
-        return own["client_state"]
+        return tensor_parallel_checkpoint.load(
+            engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only, self.groups, self._slices(), self.defer_optimizer
+        )
 
 
 class TensorParallelOver(GradientStrategy):
@@ -343,13 +322,33 @@ class TensorParallelOver(GradientStrategy):
         return self.inner.failure_context(rank, what)
 
     def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
-        """Refused on every rank alike (before anything is written): the ZeRO shard files of TP slices have no format yet."""
-        raise DSCompileConfigError(
-            "tensor_parallel",
-            "checkpoints of tensor parallelism under ZeRO (zero_optimization.stage >= 1) are not built yet",
-            "save the trained weights with engine.full_parameters() or engine.save_16bit_model(), or train TP without ZeRO "
-            "(its per-TP-rank checkpoints resume and consolidate)",
+        """Each TP rank's ZeRO group writes a ZeRO checkpoint of its slices (DeepSpeed's ``mp_rank_XX`` names)."""
+        if getattr(engine, "zero", None) is None:  # refused on every rank alike, before anything is written
+            raise DSCompileConfigError(
+                "tensor_parallel", f"checkpoints of tensor parallelism under {self.inner.name} are not built", "save the weights with engine.save_16bit_model()"
+            )
+        from dscompile.runtime import tensor_parallel_checkpoint
+
+        tensor_parallel_checkpoint.save_under_zero(engine, ckpt, client_state, self.groups, self._slices())
+
+    def load_checkpoint(
+        self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+    ) -> dict | None:
+        """Any checkpoint cut to this rank's slices, then sharded as ZeRO holds them."""
+        from dscompile.runtime import tensor_parallel_checkpoint
+
+        return tensor_parallel_checkpoint.load(
+            engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only, self.groups, self._slices(), None
         )
+
+
+def slicing_metadata(groups: ProcessGroups, specs: dict[str, SliceSpec]) -> dict[str, Any]:
+    """What a reader needs to join the slices: the TP size, this rank, and each sliced tensor's ``SliceSpec``."""
+    return {
+        "tp_size": groups.tp_size,
+        "tp_rank": groups.tp_rank,
+        "slices": {n: {"dim": sp.dim, "blocks": sp.blocks, "units": sp.units} for n, sp in specs.items()},
+    }
 
 
 def tp_file_name(tp_rank: int) -> str:
@@ -358,15 +357,3 @@ def tp_file_name(tp_rank: int) -> str:
 
 def is_tensor_parallel_checkpoint(names: list[str]) -> bool:
     return tp_file_name(1) in names
-
-
-def consolidate(reader: Any) -> dict[str, torch.Tensor]:
-    """The full ``state_dict`` of a tensor-parallel checkpoint: every TP rank's slices joined."""
-    first = reader.load(tp_file_name(0))
-    meta = first["tensor_parallel"]
-    files = [first] + [reader.load(tp_file_name(r)) for r in range(1, meta["tp_size"])]
-    out: dict[str, torch.Tensor] = {}
-    for name, value in first["module"].items():
-        spec = meta["slices"].get(name)
-        out[name] = SliceSpec(spec["dim"], spec["blocks"], spec.get("units", 0)).assemble([f["module"][name] for f in files]) if spec is not None else value
-    return out

@@ -38,15 +38,20 @@ from dscompile.runtime.checkpoint_io import (
     read_latest,
 )
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
-from dscompile.runtime.tensor_parallel import consolidate, is_tensor_parallel_checkpoint
+from dscompile.runtime.tensor_parallel import is_tensor_parallel_checkpoint
 
 log = logging.getLogger("dscompile.zero_checkpoint")
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
-def shard_name(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def shard_name(rank: int, mp_rank: int = 0) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def model_states_name(mp_rank: int = 0) -> str:
+    """The metadata file of one model-parallel (TP) rank's ZeRO group: ``mp_rank_XX_model_states.pt``."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def shard_file(directory: Path, rank: int) -> Path:
@@ -66,11 +71,13 @@ def _shard_values(zero: Any) -> list[torch.Tensor]:
         return [s.detach().clone() for s in zero.shards]
 
 
-def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None:
-    """Write this rank's shard file (and, on rank 0, the metadata file) into the checkpoint being saved."""
+def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None, mp_rank: int = 0, extra: dict[str, Any] | None = None) -> None:
+    """Write this rank's shard file (and, on the ZeRO group's first rank, the metadata file) into the checkpoint
+    being saved. Under tensor parallelism each TP rank's ZeRO group writes its own set (``mp_rank``, DeepSpeed's
+    names), with ``extra`` (the slicing) in its metadata."""
     zero = engine.zero
     param_keys = {alias for layout in zero.layouts for alias in [layout.name, *layout.aliases]}
-    if engine.rank == 0:
+    if zero.rank == 0:
         module_state = {k: v for k, v in engine.module.state_dict().items() if k not in param_keys}
         meta = {
             "module": module_state,
@@ -78,8 +85,9 @@ def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None
             **engine.core_state_dict(client_state),  # scheduler, counters, extensions, config
             "loss_scaler": engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None,  # read by FullState
             "world_size": zero.world,
+            **(extra or {}),
         }
-        ckpt.save(meta, MODEL_STATES)
+        ckpt.save(meta, model_states_name(mp_rank))
     ckpt.save(
         {
             "rank": zero.rank,
@@ -93,7 +101,7 @@ def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None) -> None
                 "devices": capture_rng(accelerator_devices(zero.shards)).to_dict(),  # dropout on a GPU draws from these
             },
         },
-        shard_name(zero.rank),
+        shard_name(zero.rank, mp_rank),
     )
 
 
@@ -142,28 +150,28 @@ def describe_checkpoint(directory: Path) -> str:
             state = CheckpointReader(directory).load(MODEL_STATES)
             return f"a dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)"
         if kind == "dscompile-tp":
-            tp = CheckpointReader(directory).load(MODEL_STATES)["tensor_parallel"]
-            return f"a dscompile tensor-parallel checkpoint (TP={tp['tp_size']} slices)"
+            meta = CheckpointReader(directory).load(MODEL_STATES)
+            under = f" under ZeRO-{meta['zero']['stage']} over {meta['zero']['world_size']} rank(s)" if "zero" in meta else ""
+            return f"a dscompile tensor-parallel checkpoint (TP={meta['tensor_parallel']['tp_size']} slices{under})"
         return "a PipelineEngine checkpoint"
     except CheckpointError as exc:
         return f"not a readable checkpoint ({exc})"
 
 
-def _load_meta(reader: CheckpointReader) -> dict[str, Any]:
-    meta = reader.load(MODEL_STATES)
+def _load_meta(reader: CheckpointReader, mp_rank: int = 0) -> dict[str, Any]:
+    meta = reader.load(model_states_name(mp_rank))
     if "zero" not in meta:
         raise CheckpointError(f"{reader.directory} was saved without ZeRO (zero_optimization.stage 0): it holds no ZeRO shards")
     return meta
 
 
-def _load_shard_files(reader: CheckpointReader, world: int) -> list[dict[str, Any]]:
+def _load_shard_files(reader: CheckpointReader, world: int, mp_rank: int = 0) -> list[dict[str, Any]]:
     files = []
     for rank in range(world):
-        if not reader.has(shard_name(rank)):
-            raise CheckpointCorruptError(
-                f"{reader.directory / shard_name(rank)} is missing: the checkpoint was saved by {world} ranks and needs every shard file"
-            )
-        files.append(reader.load(shard_name(rank)))
+        name = shard_name(rank, mp_rank)
+        if not reader.has(name):
+            raise CheckpointCorruptError(f"{reader.directory / name} is missing: the checkpoint was saved by {world} ranks and needs every shard file")
+        files.append(reader.load(name))
     return files
 
 
@@ -245,9 +253,10 @@ def optimizer_param_names(engine: Any) -> list[str]:
     return [names[id(p)] for group in engine.optimizer.param_groups for p in group["params"]]
 
 
-def _full_state_of_zero(reader: CheckpointReader) -> FullState:
-    meta = _load_meta(reader)
-    files = _load_shard_files(reader, meta["zero"]["world_size"])
+def full_state_of_zero(reader: CheckpointReader, mp_rank: int = 0) -> FullState:
+    """A dscompile ZeRO checkpoint's full state (of one TP rank's slices under tensor parallelism)."""
+    meta = _load_meta(reader, mp_rank)
+    files = _load_shard_files(reader, meta["zero"]["world_size"], mp_rank)
     states, groups = full_optimizer_states(meta, files)
     params = full_parameters(meta, files)
     for layout in meta["zero"]["layouts"]:
@@ -268,14 +277,15 @@ def _full_state_of_zero(reader: CheckpointReader) -> FullState:
     )
 
 
-def _full_state_of_stage0(reader: CheckpointReader, engine: Any) -> FullState:
-    """A dscompile checkpoint without ZeRO: its optimizer is numbered like the engine's (same script)."""
-    state = reader.load(MODEL_STATES)
+def full_state_of_stage0(reader: CheckpointReader, engine: Any | None, name: str = MODEL_STATES) -> FullState:
+    """A dscompile checkpoint without ZeRO (or one TP rank's file ``name``): the optimizer's positions are named
+    by the saved ``optimizer_param_names``, or else by this engine's optimizer (the same script)."""
+    state = reader.load(name)
     named = dict(state["module"])
     optimizer, groups = None, None
     saved_opt = state.get("optimizer")
-    if saved_opt is not None:
-        names = optimizer_param_names(engine)
+    names = state.get("optimizer_param_names") or (optimizer_param_names(engine) if engine is not None else None)
+    if saved_opt is not None and names is not None:
         order = [i for g in saved_opt["param_groups"] for i in g["params"]]
         if len(order) != len(names):
             raise CheckpointError(
@@ -284,10 +294,11 @@ def _full_state_of_stage0(reader: CheckpointReader, engine: Any) -> FullState:
         by_index = dict(zip(order, names, strict=True))
         optimizer = {by_index[i]: dict(entries) for i, entries in saved_opt["state"].items()}
         groups = [named_group(g, [by_index[i] for i in g["params"]]) for g in saved_opt["param_groups"]]
-    params = {k: v for k, v in named.items()}
+    buffers = {n for n, _ in engine.module.named_buffers()} if engine is not None else set()  # the rest of the state_dict: parameters (tied names too)
     return FullState(
         source=f"dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)",
-        params=params,
+        params={k: v for k, v in named.items() if k not in buffers},
+        module_extra={k: v for k, v in named.items() if k in buffers},
         optimizer=optimizer,
         param_groups=groups,
         lr_scheduler=state.get("lr_scheduler"),
@@ -300,6 +311,24 @@ def _full_state_of_stage0(reader: CheckpointReader, engine: Any) -> FullState:
     )
 
 
+def read_full_state(directory: Path, engine: Any) -> FullState:
+    """Any checkpoint dscompile reads, with its partitioning undone (ZeRO shards and TP slices joined)."""
+    kind = checkpoint_kind(directory)
+    if kind == "pipeline":
+        raise CheckpointError(f"{directory} was saved by a PipelineEngine (pipe_stage_* files); load it with a 'pipeline' config")
+    if kind == "deepspeed":
+        from dscompile.runtime import deepspeed_checkpoint
+
+        return deepspeed_checkpoint.read_full_state(directory)
+    if kind == "dscompile-tp":
+        from dscompile.runtime import tensor_parallel_checkpoint
+
+        return tensor_parallel_checkpoint.full_state(CheckpointReader(directory), engine)
+    if kind == "dscompile-zero":
+        return full_state_of_zero(CheckpointReader(directory))
+    return full_state_of_stage0(CheckpointReader(directory), engine)
+
+
 def load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
     """Restore any checkpoint dscompile reads into ``engine`` (ZeRO or not); returns the client state."""
     zero = getattr(engine, "zero", None)
@@ -308,19 +337,9 @@ def load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr
 
 
 def _load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
-    kind = checkpoint_kind(directory)
-    if kind == "pipeline":
-        raise CheckpointError(f"{directory} was saved by a PipelineEngine (pipe_stage_* files); load it with a 'pipeline' config")
-    if kind == "dscompile-zero" and engine.zero is not None:
+    if engine.zero is not None and checkpoint_kind(directory) == "dscompile-zero":
         return load(engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-    if kind == "deepspeed":
-        from dscompile.runtime import deepspeed_checkpoint
-
-        full = deepspeed_checkpoint.read_full_state(directory)
-    elif kind == "dscompile-zero":
-        full = _full_state_of_zero(CheckpointReader(directory))
-    else:
-        full = _full_state_of_stage0(CheckpointReader(directory), engine)
+    full = read_full_state(directory, engine)
     restore_full_state(engine, full, load_optimizer_states, load_lr_scheduler_states, load_module_only)
     return full.client_state
 
@@ -339,7 +358,7 @@ def load(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_sche
             f"the model has {[x.name for x in zero.layouts][:4]}...: not a checkpoint of this model"
         )
     if saved_world != zero.world:
-        restore_full_state(engine, _full_state_of_zero(reader), load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        restore_full_state(engine, full_state_of_zero(reader), load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return meta["client_state"]
     engine.module.load_state_dict(meta["module"], strict=False)
     own = reader.load(shard_name(zero.rank))
@@ -511,9 +530,11 @@ def zero_to_fp32(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str
 
         full = deepspeed_checkpoint.read_full_state(directory, optimizer=False)
     elif kind == "dscompile-zero":
-        full = _full_state_of_zero(CheckpointReader(directory))
+        full = full_state_of_zero(CheckpointReader(directory))
     elif kind == "dscompile-tp":
-        return {k: v.float() if v.is_floating_point() else v for k, v in consolidate(CheckpointReader(directory)).items()}
+        from dscompile.runtime import tensor_parallel_checkpoint
+
+        full = tensor_parallel_checkpoint.full_state(CheckpointReader(directory), None)
     elif kind == "dscompile-full":
         raise CheckpointError(f"{directory} was saved without ZeRO: {MODEL_STATES} already holds the whole model under 'module'")
     else:
