@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 # DeepSpeed's public names, so that `import dscompile as deepspeed` keeps a script working
-from dscompile import accelerator, checkpointing, comm, moe, pipe, utils, zero  # noqa: E402, I001
+from dscompile import accelerator, checkpointing, comm, moe, pipe, sequence, utils, zero  # noqa: E402, I001
 from dscompile.accelerator import get_accelerator  # noqa: E402
 from dscompile.arguments import add_config_arguments  # noqa: E402
 from dscompile.comm import init_distributed  # noqa: E402
@@ -39,6 +39,7 @@ __all__ = [
     "init_distributed",
     "moe",
     "pipe",
+    "sequence",
     "utils",
     "zero",
     "DSCompileConfigError",

@@ -29,12 +29,8 @@ class DSCompileConfigError(DSCompileError, ValueError):
 class DSCompileNotSupportedError(DSCompileConfigError):
     """A DeepSpeed key for a capability dscompile has not built yet: refused, never ignored."""
 
-    def __init__(self, key: str, capability: str) -> None:
-        super().__init__(
-            key,
-            f"{capability} is not supported yet by dscompile",
-            "remove the key or disable it; see the feature table in README.md",
-        )
+    def __init__(self, key: str, capability: str, fix: str = "remove the key or disable it; see the feature table in README.md") -> None:
+        super().__init__(key, f"{capability} is not supported yet by dscompile", fix)
 
 
 class DSCompilePassError(DSCompileError):

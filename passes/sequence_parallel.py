@@ -50,6 +50,7 @@ from dscompile.passes.tensor_parallel import TensorParallelModule, capture, refu
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sequence_parallel import (
+    DistributedAttention,
     cross_entropy_over_chunks,
     gather_whole_sequence,
     heads_to_sequence,
@@ -526,6 +527,21 @@ class SequenceParallelModule(TensorParallelModule):
         return gm
 
 
+def refuse_distributed_attention(model: nn.Module | None) -> None:
+    """A model wrapping its attention in DeepSpeed's ``DistributedAttention`` already takes its chunk of the
+    sequence and runs Ulysses itself; the pass would cut each chunk again."""
+    found = [name for name, m in (model.named_modules() if model is not None else ()) if isinstance(m, DistributedAttention)]
+    if found:
+        raise DSCompileConfigError(
+            KEY,
+            f"the model already runs Ulysses by hand: {found[0] or 'the model'} is a DistributedAttention "
+            f"({len(found)} in all), and sequence parallelism would shard its sequence a second time",
+            f"either remove DistributedAttention and feed the whole sequence (dscompile then shards it from the graph), or "
+            f"keep it, feed each rank its chunk and leave {KEY} at 1 (gradients are then averaged over all ranks, "
+            f"as DeepSpeed's sequence-data-parallel group does)",
+        )  # fmt: skip
+
+
 class SequenceParallelExtension(EngineExtension):
     """Groups of consecutive ranks, the model rewritten at its first batch, data parallelism over all ranks."""
 
@@ -536,6 +552,7 @@ class SequenceParallelExtension(EngineExtension):
         self.module: SequenceParallelModule | None = None
 
     def configure(self, engine: EngineCore) -> None:
+        refuse_distributed_attention(getattr(engine, "module", None))
         sections = engine.config.sections
         for key, clash in (
             ("tensor_parallel", sections.get("tensor_parallel") is not None and sections["tensor_parallel"].enabled),

@@ -33,6 +33,7 @@ PACKAGES = (
     "dscompile.runtime.zero",
     "dscompile.runtime.inference",
     "dscompile.moe",
+    "dscompile.sequence",
     "dscompile.testing",
     "dscompile.zoo",
     "dscompile.passes",
