@@ -47,12 +47,13 @@ pipeline and lowering.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,6 +256,11 @@ def _adds_to_residual(node: fx.Node) -> bool:
     return False
 
 
+def _is_empty(node: Any) -> bool:
+    """A 1-D tensor of no elements: ``cat`` skips it (Hugging Face's cache starts as ``torch.tensor([])``)."""
+    return _shape(node) == (0,)
+
+
 def _shape(node: Any) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
@@ -372,12 +378,20 @@ class _Propagator:
                 raise _Unsplittable(f"{node.name} writes sliced values into something other than a buffer's unsliced dimension")
             self.states[str(cache.target)] = d
             self.sharded[node] = d
-        elif target in (aten.slice.Tensor, aten.cat.default, aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
+        elif target is aten.cat.default:
+            parts = [a for a in node.args[0] if not _is_empty(a)]  # type: ignore[union-attr]  # an empty cache: cat skips it
+            if any(a not in self.sharded for a in parts):
+                raise _Unsplittable("cat of a sliced and a whole tensor")
+            if len({self.sharded[a] for a in parts}) != 1:
+                raise _Unsplittable(f"{node.name} joins tensors sliced along different dimensions")
+            dim = (node.args[1] if len(node.args) > 1 else 0) % len(out_shape)  # type: ignore[operator]
+            if dim == self.sharded[parts[0]]:
+                raise _Unsplittable(f"{target} along the sliced dimension")
+            self.sharded[node] = self.sharded[parts[0]]
+        elif target in (aten.slice.Tensor, aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
             dim = node.args[1] if len(node.args) > 1 else 0
             dim = dim % len(out_shape)  # type: ignore[operator]
-            if target is aten.cat.default and any(a not in self.sharded for a in node.args[0]):  # type: ignore[union-attr]
-                raise _Unsplittable("cat of a sliced and a whole tensor")
-            if dim == (d if target is not aten.cat.default else self.sharded[node.args[0][0]]):  # type: ignore[index]
+            if dim == d:
                 raise _Unsplittable(f"{target} along the sliced dimension")
             self.sharded[node] = d
         elif target in _POINTWISE:
@@ -554,6 +568,13 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
+def _casts_only(node: fx.Node) -> bool:
+    """A dtype conversion and nothing else (the parallel cross-entropy computes in fp32 whatever the logits' dtype)."""
+    if node.target is aten.to.dtype:
+        return True
+    return node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+
+
 def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str, Any]]]:
     """Every mean cross-entropy computed straight from a linear's logits (the LM head), and those left whole (why)."""
     heads: list[VocabHead] = []
@@ -568,8 +589,9 @@ def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str
             if len(_shape(logits) or ()) != 2:
                 raise _Unsplittable("the loss does not read [tokens, vocabulary] logits")
             views, x = [], logits
-            while x.target in _VIEWS and len(x.users) == 1:
-                views.append(x)
+            while len(x.users) == 1 and (x.target in _VIEWS or _casts_only(x)):  # views, and Hugging Face's logits.float()
+                if x.target in _VIEWS:
+                    views.append(x)
                 x = x.args[0]
             head = _as_linear(x)
             if head is None or head.transposed or head.bias is not None or len(x.users) != 1:
@@ -778,9 +800,28 @@ def _share_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
         setattr(gm.get_submodule(owner) if owner else gm, leaf, model.get_parameter(name))
 
 
+@contextlib.contextmanager
+def _training_without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Hugging Face models build a KV cache (a ``DynamicCache``) in training mode too, and return it.
+    ``torch.export`` cannot return that object, and training never reads it (its sliced heads would also pin
+    every block's keys and values as outputs): a model in training mode is captured with ``use_cache`` off, so
+    its outputs carry ``past_key_values=None``. An explicit ``use_cache=True`` argument still wins."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True} if model.training else {}
+    if configs:
+        log.info("capturing %s with Hugging Face's use_cache off: training does not read the KV cache", type(model).__name__)
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     """The model's ATen graph at these inputs' shapes (``torch.export``, non-strict)."""
-    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    with _training_without_kv_cache(model):
+        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     gm = exported.module()
     _share_parameters(gm, model)
     for node in list(gm.graph.nodes):  # export's dtype/device asserts: checks of the capture, not computation

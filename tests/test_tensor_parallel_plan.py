@@ -102,3 +102,31 @@ def test_plain_compile_refuses_tensor_parallel() -> None:
     compiled = torch.compile(torch.nn.Linear(2, 2), backend="dscompile", options={"tensor_parallel": {"autotp_size": 2}})
     with pytest.raises(Exception, match="only an engine can own"):
         compiled(torch.ones(2))
+
+
+def test_hugging_face_training_cache_neither_breaks_capture_nor_keeps_blocks_whole() -> None:
+    """Hugging Face GPT-2 builds a KV cache in training mode (keys joined to an empty tensor) and returns it:
+    captured with ``use_cache`` off by default (export cannot return the cache object), and with an explicit
+    ``use_cache=True`` the join with the empty tensor keeps each block splittable."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 50, (2, 8))
+    gm = capture(model, (), {"input_ids": ids, "labels": ids})
+    assert model.config.use_cache is True  # restored after the capture
+    blocks, whole = find_blocks(gm, 2)
+    assert len(blocks) == 4 and not whole, whole
+
+    class ReturnsLoss(torch.nn.Module):  # the cache is built (and dropped) inside: its joins stay in the graph
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, labels=ids, use_cache=True).loss
+
+    gm = capture(ReturnsLoss(), (ids,), {})
+    assert any(n.target is torch.ops.aten.cat.default for n in gm.graph.nodes)
+    blocks, whole = find_blocks(gm, 2)
+    assert len(blocks) == 4 and not whole, whole

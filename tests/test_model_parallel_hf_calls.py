@@ -1,0 +1,92 @@
+"""Tensor and sequence parallelism on Hugging Face models called as training scripts call them (2 gloo ranks).
+
+``outputs = engine(input_ids=ids, labels=ids); engine.backward(outputs.loss)`` on a model built from a
+config with its defaults: ``use_cache`` on, so in training mode too the model builds a ``DynamicCache``
+(its first keys joined to an empty tensor) and returns it with the logits. The graph capture used to
+fail on that object, and tensor parallelism left every attention block after the first whole. Now the
+capture turns the cache off (``past_key_values`` comes back None), every block splits, and the loss,
+the returned logits and the gradients equal the model's on one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(1)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, vocab_size=50, max_position_embeddings=16
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-6))
+
+
+RUNS = [  # (arch, parallelism, lowering)
+    ("gpt2", "tensor_parallel", None),  # the default lowering (Inductor)
+    ("llama", "tensor_parallel", "eager"),
+    ("gpt2", "sequence_parallel", "eager"),
+    ("llama", "sequence_parallel", "eager"),
+]
+
+
+def _train_step(rank: int, world: int) -> dict[str, Any]:
+    import dscompile
+
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for arch, parallelism, lower in RUNS:
+        config: dict[str, Any] = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "train_micro_batch_size_per_gpu": 2}
+        if parallelism == "tensor_parallel":
+            config["tensor_parallel"] = {"autotp_size": 2, "vocab_parallel_lm_head": True}
+        else:
+            config["sequence_parallel_size"] = 2
+        if lower is not None:
+            config["lower"] = lower
+        engine = dscompile.initialize(model=_model(arch), config=config)[0]
+        outputs = engine(input_ids=ids, labels=ids)
+        engine.backward(outputs.loss)
+        engine.step()
+        reference = _model(arch)
+        before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        expected = reference(input_ids=ids, labels=ids)
+        expected.loss.backward()
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        after = engine.full_parameters()
+        plan = engine.extension(parallelism).plan
+        out[f"{arch}-{parallelism}"] = {
+            "loss": (float(outputs.loss), float(expected.loss)),
+            "logits_err": float((outputs.logits.detach() - expected.logits.detach()).abs().max()),
+            "cache": outputs.past_key_values,
+            # the SGD update (lr x the gradient) against one process's
+            "update_err": max(_relative(after[n] - before[n], p.detach() - before[n]) for n, p in reference.named_parameters()),
+            "blocks": (len(plan.split), plan.replicated) if parallelism == "tensor_parallel" else None,
+        }
+    return out
+
+
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_hugging_face_models_called_as_scripts_call_them() -> None:
+    for result in run_distributed_or_fail(_train_step, 2, timeout=600):
+        for key, r in result.items():
+            loss, expected = r["loss"]
+            assert loss == pytest.approx(expected, rel=1e-5), (key, r)
+            assert r["logits_err"] < 1e-5 and r["cache"] is None, (key, r)
+            assert r["update_err"] < 1e-4, (key, r)
+            if r["blocks"] is not None:  # both layers' attention and MLP split
+                split, replicated = r["blocks"]
+                assert split == 4 and not replicated, (key, r)
