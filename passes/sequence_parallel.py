@@ -504,11 +504,6 @@ class SequenceParallelModule(TensorParallelModule):
 
     config_key = KEY
 
-    def captures_again(self) -> bool:
-        """The parameters are untouched, so each new batch shape or train/eval mode is captured and rewritten
-        anew (as Dynamo recompiles), unless ZeRO-2/3 wrapped the first graph over their shards."""
-        return not self._first_wrapped
-
     dump_dir: str | None = None  # the config's dump directory: the plan is written there as JSON
 
     def _split(self, args: tuple, kwargs: dict) -> fx.GraphModule:

@@ -865,6 +865,12 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
 # ---------------------------------------------------------------------------------------------
 # the engine's part
 # ---------------------------------------------------------------------------------------------
+def _parameter_or_buffer(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return getattr(module, leaf)
+
+
 class TensorParallelModule(nn.Module):
     """What the engine runs: at the first batch, capture and split the model; then the split graph.
 
@@ -893,15 +899,43 @@ class TensorParallelModule(nn.Module):
 
     def _split(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         """Capture the model at this batch and rewrite its graph (partitioning the parameters in place)."""
+        if self.plan is not None:
+            return self._split_again(args, kwargs)
         gm, self.plan = parallelize(self.model, args, kwargs, self.groups, self.tc)
+        return gm
+
+    def _split_again(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        """Another batch shape or train/eval mode (an evaluation loop): the model is captured from its whole
+        weights, gathered over the TP group for the capture only, and must split as the first capture did;
+        each rank then keeps the very slices (same tensors) the optimizer steps."""
+        assert self.plan is not None
+        specs = self.plan.slices
+        tensors = {name: _parameter_or_buffer(self.model, name) for name in specs}
+        held = {name: t.data for name, t in tensors.items()}
+        try:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    t.data = specs[name].assemble(gather_slices(held[name], self.groups))
+            gm, again = parallelize(self.model, args, kwargs, self.groups, self.tc)
+        finally:
+            for name, t in tensors.items():
+                t.data = held[name]
+        if again.slices != specs:
+            changed = sorted(set(again.slices) ^ set(specs)) or sorted(n for n in specs if again.slices[n] != specs[n])
+            raise DSCompileConfigError(
+                self.config_key,
+                f"the graph captured for this batch ({'training' if self.model.training else 'eval'} mode) splits the parameters "
+                f"differently from the first one ({', '.join(changed[:4])})",
+                "keep the batch shape and mode of the first batch",
+            )
         return gm
 
     config_key = SECTION  # the key errors name
 
     def captures_again(self) -> bool:
-        """Whether another batch shape or train/eval mode may be captured and split anew (the parameters are
-        partitioned by the first split here, so no)."""
-        return False
+        """Each new batch shape or train/eval mode is captured and split anew (from the weights gathered for the
+        capture), unless ZeRO-2/3 wrapped the first graph over their shards."""
+        return not self._first_wrapped
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         broadcast_in_tp_group(list(args) + list(kwargs.values()), self.groups)
@@ -928,12 +962,13 @@ class TensorParallelModule(nn.Module):
                 self.config_key,
                 f"the graph was captured and split in {'training' if training else 'eval'} mode (dropout baked in); "
                 f"the model is now in {'training' if self.model.training else 'eval'} mode",
-                f"keep one mode per engine: switching train/eval after the first batch is not built under {self.config_key}",
+                f"keep one mode per engine: ZeRO-2/3 run the first graph over their shards, so switching train/eval after the "
+                f"first batch is not built under {self.config_key} with them (ZeRO-1 or none captures each mode)",
             )
         raise DSCompileConfigError(
             self.config_key,
-            f"the graph was captured and split for inputs {first}; this batch is {signature}",
-            "keep the batch shape fixed (pad the last batch, or drop it: dataloader_drop_last)",
+            f"the graph was captured and split for inputs {first} and ZeRO-2/3 run it over their shards; this batch is {signature}",
+            "keep the batch shape fixed (pad the last batch, or drop it: dataloader_drop_last), or use ZeRO-1 (it captures each shape)",
         )
 
 

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-from dscompile.errors import DSCompileConfigError
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
 CASES: dict[str, dict[str, Any]] = {
@@ -54,19 +53,27 @@ def checkpoint_round_trip(rank: int, save_dir: str) -> dict[str, Any]:
         engine.backward(engine(*batch))
         engine.step()
     after = [e.full_parameters() for e in engines]
-    second.eval()  # the graph was captured in training mode (dropout baked in): refused, not silently trained-mode
-    try:
-        second(*batch)
-        eval_refused = False
-    except DSCompileConfigError:
-        eval_refused = True
+    # an evaluation loop: eval mode and another batch size are captured anew (from the gathered weights), then training goes on
+    reference = build("gpt", seed=3, **CASES["gpt"]).model
+    reference.load_state_dict(after[1], strict=False)
+    small = tuple(t[:1] for t in make_batch(case, seed=6))
+    second.eval()
+    with torch.no_grad():
+        eval_losses = [float(second(*b)) for b in (small, batch)]
+        expected_eval = [float(reference.eval()(*b)) for b in (small, batch)]
+    second.train()
+    for engine in engines:
+        engine.backward(engine(*batch))
+        engine.step()
+    again = [e.full_parameters() for e in engines]
     return {
         "consolidated_err": max((float((consolidated[n] - full[n]).abs().max()) for n in full), default=0.0) if rank == 0 else 0.0,
         "consolidated_names": sorted(consolidated) if rank == 0 else sorted(full),
         "names": sorted(full),
         "resume_err": max(float((after[0][n] - after[1][n]).abs().max()) for n in full),
         "steps": second.global_steps,
-        "eval_refused": eval_refused,
+        "eval": (eval_losses, expected_eval),
+        "held_after_eval": max(float((again[0][n] - again[1][n]).abs().max()) for n in full),
     }
 
 
@@ -149,8 +156,9 @@ def test_tp2_equals_single_process(tmp_path) -> None:
     for rank_result in results:
         ckpt = rank_result.pop("checkpoint")
         assert set(ckpt["names"]) <= set(ckpt["consolidated_names"]) and ckpt["consolidated_err"] == 0.0  # zero-to-fp32 joins the slices
-        assert ckpt["resume_err"] == 0.0 and ckpt["steps"] == 3  # resumed: weights, AdamW states and counters
-        assert ckpt["eval_refused"]
+        assert ckpt["resume_err"] == 0.0 and ckpt["steps"] == 4  # resumed: weights, AdamW states and counters
+        assert ckpt["eval"][0] == pytest.approx(ckpt["eval"][1], rel=1e-5), ckpt["eval"]  # eval mode, two batch sizes
+        assert ckpt["held_after_eval"] == 0.0  # the slices the optimizer steps are untouched by the captures
         assert len(rank_result) == len(RUNS)
         for key, r in rank_result.items():
             name = r["name"]
