@@ -7,9 +7,10 @@
 from __future__ import annotations
 
 # DeepSpeed's public names, so that `import dscompile as deepspeed` keeps a script working
-from dscompile import accelerator, checkpointing, comm, moe, pipe, sequence, utils, zero  # noqa: E402, I001
+from dscompile import accelerator, checkpointing, comm, module_inject, moe, pipe, sequence, utils, zero  # noqa: E402, I001
 from dscompile.accelerator import get_accelerator  # noqa: E402
 from dscompile.arguments import add_config_arguments  # noqa: E402
+from dscompile.autotp import tp_model_init  # noqa: E402
 from dscompile.comm import init_distributed  # noqa: E402
 from dscompile.config import DSConfig, load_config
 from dscompile.engine import DSCompileEngine, initialize
@@ -37,9 +38,11 @@ __all__ = [
     "comm",
     "get_accelerator",
     "init_distributed",
+    "module_inject",
     "moe",
     "pipe",
     "sequence",
+    "tp_model_init",
     "utils",
     "zero",
     "DSCompileConfigError",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.arguments import config_source
+from dscompile.autotp import merge_autotp_intent
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint_dir
@@ -270,6 +271,7 @@ def initialize(
     if configure_pipeline is not None:
         cfg = configure_pipeline(cfg)
     _maybe_init_distributed(dist_init_required, distributed_port)
+    cfg, mpu = merge_autotp_intent(model, cfg, mpu)  # tp_model_init's record; an mpu naming AutoTP's groups
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
     pipe = cfg.sections.get("pipeline_parallel")

@@ -557,7 +557,7 @@ class SequenceParallelExtension(EngineExtension):
             if clash:
                 raise DSCompileConfigError(KEY, f"sequence parallelism together with {key} is not built yet", f"remove {key} or {KEY}")
         refuse_layouts_per_head(sections, "sequence parallelism", f"drop {KEY}")
-        self.groups: ProcessGroups = build_process_groups(self.sp)  # its "tp" groups are the sequence groups
+        self.groups: ProcessGroups = build_process_groups(self.sp, current=False)  # its "tp" groups are the sequence groups
         without = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != KEY})
         options = without if getattr(engine, "compiles_model", False) else None
         engine.compiles_model = False  # type: ignore[attr-defined]  # the module compiles its rewritten graph itself

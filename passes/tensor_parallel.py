@@ -64,7 +64,7 @@ from torch import fx, nn
 from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
-from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
+from dscompile.runtime.process_groups import ProcessGroups, process_groups_for
 from dscompile.runtime.tensor_parallel import (
     SliceSpec,
     TensorParallelGradients,
@@ -1010,7 +1010,7 @@ class TensorParallelExtension(EngineExtension):
 
     def configure(self, engine: EngineCore) -> None:
         refuse_untested_compositions(engine)
-        groups = build_process_groups(self.tc.autotp_size)
+        groups = process_groups_for(self.tc.autotp_size)  # those tp_model_init laid out, or new ones
         self.groups = groups
         if engine.world_size > 1:
             with torch.no_grad():  # every rank slices the same full weights

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy
-from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups
+from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups, set_current_process_groups
 from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, TensorParallelOver
 
 
@@ -39,20 +39,19 @@ def _ask(mpu: Any, *names: str) -> Any:
     )
 
 
-def process_groups_from_mpu(mpu: Any, config: Any) -> ProcessGroups:
-    """The TP and DP groups the unit names, checked against the TP-innermost layout dscompile computes."""
-    tc = config.sections.get("tensor_parallel")
-    if tc is not None and tc.enabled:
-        raise DSCompileConfigError(
-            "mpu", "given together with tensor_parallel.autotp_size (two ways to split the model)", "drop mpu= or the tensor_parallel section"
-        )
+def mpu_groups(mpu: Any) -> tuple[Any, Any]:
+    """The unit's tensor- and data-parallel groups (pipeline stages in it refused)."""
     pipeline = getattr(mpu, "get_pipeline_model_parallel_world_size", None)
     if callable(pipeline) and pipeline() > 1:
         raise DSCompileNotSupportedError("mpu", "a model-parallel unit with pipeline stages (use dscompile's pipeline section)")
     if not (dist.is_available() and dist.is_initialized()):
         raise DSCompileConfigError("mpu", "given without torch.distributed initialized", "launch with torchrun (or call dscompile.init_distributed() first)")
-    tp_group = _ask(mpu, "get_tensor_model_parallel_group", "get_model_parallel_group")
-    dp_group = _ask(mpu, "get_data_parallel_group")
+    return _ask(mpu, "get_tensor_model_parallel_group", "get_model_parallel_group"), _ask(mpu, "get_data_parallel_group")
+
+
+def process_groups_from_mpu(mpu: Any, config: Any) -> ProcessGroups:
+    """The TP and DP groups the unit names, checked against the TP-innermost layout dscompile computes."""
+    tp_group, dp_group = mpu_groups(mpu)
     world, rank = dist.get_world_size(), dist.get_rank()
     tp_ranks = dist.get_process_group_ranks(tp_group)
     dp_ranks = dist.get_process_group_ranks(dp_group)
@@ -65,7 +64,9 @@ def process_groups_from_mpu(mpu: Any, config: Any) -> ProcessGroups:
             f"model-parallel groups laid out otherwise than TP innermost (rank {rank}: TP group {tp_ranks}, data-parallel group {dp_ranks}; "
             f"expected {expected_tp} and {expected_dp})",
         )
-    return ProcessGroups(layout, rank, tp_group=tp_group, dp_group=dp_group, tp_ranks=expected_tp, dp_ranks=expected_dp)
+    groups = ProcessGroups(layout, rank, tp_group=tp_group, dp_group=dp_group, tp_ranks=expected_tp, dp_ranks=expected_dp)
+    set_current_process_groups(groups)  # what deepspeed.utils.groups reports
+    return groups
 
 
 def model_parallel_slices(module: torch.nn.Module) -> dict[str, SliceSpec]:

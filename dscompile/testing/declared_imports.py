@@ -34,6 +34,8 @@ PACKAGES = (
     "dscompile.runtime.inference",
     "dscompile.moe",
     "dscompile.sequence",
+    "dscompile.module_inject",
+    "dscompile.utils",
     "dscompile.testing",
     "dscompile.zoo",
     "dscompile.passes",
