@@ -9,7 +9,8 @@ sliced in place, once. What inference adds:
 - The KV cache is state inside the graph: each step runs ``CacheStateModule`` (the model plus its
   static cache tensors as buffers), so the cache writes (``index_copy_``) are graph nodes the pass
   follows. The pass slices each cache buffer by heads like the keys and values written into it, so a
-  rank's cache holds only its heads (``StaticCacheGenerator`` allocates it at ``kv_heads / N``).
+  rank's cache holds only its heads (``StaticCacheGenerator`` allocates it at ``kv_heads / N``; one head,
+  its query heads' own, when there are fewer KV heads than ranks and the pass replicates them).
 - The captured graphs have static shapes (the export bakes batch and length into the views), so a
   graph is captured per input shape: one decode graph per batch size (reused for every token), one
   prefill graph per prompt shape. Captures after the first run on a stand-in of the model whose

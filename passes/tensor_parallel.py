@@ -16,6 +16,12 @@ ops, softmax over another dimension, batched matmuls, SDPA, rotary halves, GQA's
   and a 0/1 mask on the row-parallel linear's input keeps the padding out of the output and out of
   the gradients (so its weights stay zero); the slices record it (``SliceSpec.units``) and drop it
   when assembled,
+- an attention with fewer KV heads ``K`` than ranks ``T`` (MQA, small GQA) where ``T % K == 0`` and ``T``
+  divides the query heads ``H`` keeps the KV heads replicated, as Megatron does: rank ``r`` runs its ``H/T``
+  query heads and one copy of their KV head ``r*K/T`` (the KV side, the sliced values upstream of the op
+  that repeats KV heads for query heads, is sized one head; the repeats become ``H/T``), the k/v weights
+  are read through ``tp_sum_replicas`` (the ``T/K`` ranks sharing a head sum its gradient) and their
+  slices record the sharing (``SliceSpec.replicas``: one copy assembled, counted once in norms),
 - ``tp_copy`` (identity forward, all-reduce of the gradient backward) goes before the block and
   ``tp_reduce`` (all-reduce forward) after the row-parallel linear: functional-collective nodes once
   the graph is compiled,
@@ -74,6 +80,7 @@ from dscompile.runtime.tensor_parallel import (
     padded_units,
     tp_copy,
     tp_reduce,
+    tp_sum_replicas,
     units_of_rank,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -206,6 +213,10 @@ class Block:
     rewrites: dict[fx.Node, tuple[int, int]]  # shape-carrying node -> (arg position in its shape list, its full size)
     units: int  # the block's sliced sizes are multiples of this many units (heads or KV-head groups, hidden units)
     states: dict[str, int] = field(default_factory=dict)  # buffer written in place by the block (a KV cache) -> its sliced dim
+    replicas: int = 1  # > 1: fewer KV heads than TP ranks, each held by this many ranks (``_replicated_kv``)
+    kv: set[fx.Node] = field(default_factory=set)  # then: the block's KV-side nodes (one head per rank)
+    repeats: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # then: where KV heads are repeated, and how often
+    replicated_states: set[str] = field(default_factory=set)  # then: the buffers written from the KV side (a KV cache)
 
 
 @dataclass
@@ -276,8 +287,13 @@ _POINTWISE = {
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
-def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, tp: int) -> int:
-    """The dim of ``dst`` that a view of ``src`` sliced on ``dim`` is sliced on (the outermost of its group)."""
+def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, heads_of_one: bool = False) -> tuple[int, bool]:
+    """The dim of ``dst`` that a view of ``src`` sliced on ``dim`` is sliced on (the outermost of its group), and
+    whether a size-one dim before it could have been the sliced one instead.
+
+    Shapes cannot tell ``[.., F] -> [.., 1, F]`` as one head of ``F`` features (MQA's keys) from a size-one
+    dim put before ``F`` (a decode step's sequence); the features are the default, ``heads_of_one`` picks the
+    size-one dim. A sliced dim of size one (that one head) stays a size-one dim, or the outermost of a merge."""
     i = j = 0
     while i < len(src) or j < len(dst):
         gi, gj = [i], [j]
@@ -294,24 +310,36 @@ def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, tp: int) -> 
                 gj.append(j)
                 j += 1
         if dim in gi:
-            real_src = [d for d in gi if d < len(src) and src[d] != 1]
-            real_dst = [d for d in gj if d < len(dst) and dst[d] != 1]
-            if not real_src or real_src[0] != dim:
+            real_src = [d for d in gi if d < len(src) and (src[d] != 1 or d == dim)]
+            if real_src[0] != dim:
                 raise _Unsplittable(f"a view merges the sliced dimension {dim} of {src} under an outer one")
-            return real_dst[0]
+            real_dst = [d for d in gj if d < len(dst) and dst[d] != 1]
+            ones = [d for d in gj if d < len(dst) and dst[d] == 1 and (not real_dst or d < real_dst[0])]
+            if ones and (src[dim] == 1 or heads_of_one or not real_dst):
+                return ones[-1], False
+            return real_dst[0], bool(ones)
     raise _Unsplittable(f"cannot follow dimension {dim} through a view {src} -> {dst}")
 
 
 class _Propagator:
-    """Follows the sliced dimension from the column outputs through a block, noting the shape rewrites."""
+    """Follows the sliced dimension from the column outputs through a block, noting the shape rewrites.
 
-    def __init__(self, tp: int) -> None:
+    It also notes where KV heads become query heads (GQA/MQA's ``repeat_interleave``, Hugging Face's
+    ``repeat_kv`` expand + reshape, SDPA's ``enable_gqa``): the sliced values upstream of those are the
+    block's KV side, which ``_replicated_kv`` may hold one head of per rank."""
+
+    def __init__(self, tp: int, heads_of_one: bool = False) -> None:
         self.tp = tp
+        self.heads_of_one = heads_of_one  # read ``[.., F] -> [.., 1, F]`` views as one head (see ``_view_dim``)
+        self.ambiguous = False  # a view could have been read that way
         self.sharded: dict[fx.Node, int] = {}
         self.blocks: dict[fx.Node, int] = {}
         self.rewrites: dict[fx.Node, tuple[int, int]] = {}
         self.origin: dict[fx.Node, fx.Node] = {}  # sliced node -> the column it comes from (while its last dim is the column's)
         self.states: dict[str, int] = {}  # buffers written in place with sliced values (inference's KV cache) -> sliced dim
+        self.writers: dict[str, fx.Node] = {}  # such a buffer -> the node writing it
+        self.conversions: dict[fx.Node, list[fx.Node]] = {}  # op turning KV heads into query heads -> its KV-side inputs
+        self.repeats: dict[fx.Node, tuple[int, int]] = {}  # node -> (its repeat count's place: -1 the argument, else a size's; the count)
 
     def seed(self, column: fx.Node) -> None:
         shape = _shape(column)
@@ -325,18 +353,19 @@ class _Propagator:
         ins = [a for a in node.all_input_nodes if a in self.sharded]
         if not ins:
             return
-        target, tp = node.target, self.tp
+        target = node.target
         src = ins[0]
         d = self.sharded[src]
         in_shape, out_shape = _shape(src), _shape(node)
         if target in _VIEWS:
             assert in_shape is not None and out_shape is not None
-            if in_shape[d] == out_shape[-1] and d == len(in_shape) - 1 and src in self.origin:
-                out = len(out_shape) - 1  # the column's features stay the last dim (Conv1D's 2-D -> 3-D view)
-                self.origin[node] = self.origin[src]
+            out, ambiguous = _view_dim(in_shape, out_shape, d, self.heads_of_one)
+            self.ambiguous |= ambiguous
+            if out == len(out_shape) - 1 and in_shape[d] == out_shape[-1] and d == len(in_shape) - 1 and src in self.origin:
+                self.origin[node] = self.origin[src]  # the column's features stay the last dim (Conv1D's 2-D -> 3-D view)
             else:
-                out = _view_dim(in_shape, out_shape, d, tp)
                 self._check_whole(src)
+            self._note_repeat_kv(node, src, d, out, in_shape, out_shape)
             self._note_shape(node, out, out_shape)
             self.sharded[node] = out
         elif target is aten.transpose.int:
@@ -354,8 +383,12 @@ class _Propagator:
             if dim is None:
                 raise _Unsplittable("repeat_interleave over the flattened tensor")
             size = node.kwargs.get("output_size")
-            if size is not None and dim % len(in_shape) == d:  # type: ignore[operator]
-                self.rewrites[node] = (-3, int(size))
+            if dim % len(in_shape) == d:  # type: ignore[operator]
+                if size is not None:
+                    self.rewrites[node] = (-3, int(size))
+                if isinstance(node.args[1], int):
+                    self.conversions[node] = [src]
+                    self.repeats[node] = (-1, node.args[1])
             self.sharded[node] = d
         elif target is aten.expand.default:
             out = d + len(out_shape) - len(in_shape)
@@ -377,6 +410,7 @@ class _Propagator:
             if source is not src or not isinstance(cache, fx.Node) or cache.op != "get_attr" or dim == d:
                 raise _Unsplittable(f"{node.name} writes sliced values into something other than a buffer's unsliced dimension")
             self.states[str(cache.target)] = d
+            self.writers[str(cache.target)] = node
             self.sharded[node] = d
         elif target is aten.cat.default:
             parts = [a for a in node.args[0] if not _is_empty(a)]  # type: ignore[union-attr]  # an empty cache: cat skips it
@@ -433,6 +467,8 @@ class _Propagator:
             q, k, v = node.args[:3]
             if any(self.sharded.get(x) != 1 for x in (q, k, v)):  # type: ignore[call-overload]
                 raise _Unsplittable("attention whose query, key and value are not all sliced by heads")
+            if node.kwargs.get("enable_gqa"):  # query heads attend to their KV head inside the op
+                self.conversions[node] = [k, v]  # type: ignore[list-item]
             mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
             sm = _shape(mask)
             if sm is not None and len(sm) == 4 and sm[1] != 1:
@@ -443,6 +479,17 @@ class _Propagator:
 
     def _inherit(self, node: fx.Node, src: fx.Node) -> None:
         pass
+
+    def _note_repeat_kv(self, node: fx.Node, src: fx.Node, d: int, out: int, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> None:
+        """Hugging Face's ``repeat_kv``: ``expand`` a size-one dim after the KV heads to ``n_rep``, then a view merging
+        both into the query heads."""
+        if src.target is not aten.expand.default or d + 1 >= len(in_shape) or in_shape[d + 1] == 1:
+            return
+        before = _shape(src.args[0])
+        if before is None or len(before) != len(in_shape) or before[d + 1] != 1 or out_shape[out] != in_shape[d] * in_shape[d + 1]:
+            return
+        self.conversions[node] = [src]
+        self.repeats[src] = (d + 1, in_shape[d + 1])
 
     def _check_whole(self, src: fx.Node) -> None:
         if src in self.origin and self.blocks[self.origin[src]] != 1:
@@ -483,19 +530,63 @@ def _region(row: Linear, linears: dict[fx.Node, Linear]) -> tuple[list[Linear], 
     return list(columns.values()), seen
 
 
-def _units(prop: _Propagator, columns: list[Linear]) -> int:
-    """The most units every sliced size of the block is a whole multiple of (their gcd): heads, or KV-head groups
-    under GQA (a query head is sliced with its KV head), or hidden units; the split is in these."""
+def _units(prop: _Propagator, nodes: Any = None) -> int:
+    """The most units every sliced size of the block (or of ``nodes`` in it) is a whole multiple of (their gcd):
+    heads, or KV-head groups under GQA (a query head is sliced with its KV head), or hidden units; the split is in these."""
     sizes = []
     for node, dim in prop.sharded.items():
         shape = _shape(node)
-        if shape is not None:
+        if shape is not None and (nodes is None or node in nodes):
             sizes.append(shape[dim] // prop.blocks.get(node, 1))  # a fused projection: each of its parts
-    sizes += [size for pos, size in prop.rewrites.values() if pos == -1]  # split(x, size): each part
+    sizes += [size for node, (pos, size) in prop.rewrites.items() if pos == -1 and (nodes is None or node in nodes)]  # split(x, size): each part
     units = math.gcd(*sizes)
     if units < 1:
         raise _Unsplittable("a sliced dimension has size 0")
     return units
+
+
+def _kv_side(prop: _Propagator) -> set[fx.Node]:
+    """The sliced nodes upstream of the ops that turn KV heads into query heads (the k/v projections to those ops)."""
+    kv: set[fx.Node] = set()
+    stack = [x for inputs in prop.conversions.values() for x in inputs if x in prop.sharded]
+    while stack:
+        node = stack.pop()
+        if node not in kv:
+            kv.add(node)
+            stack.extend(a for a in node.all_input_nodes if a in prop.sharded)
+    return kv
+
+
+def _replicated_kv(prop: _Propagator, units: int, tp: int) -> tuple[int, set[fx.Node], str]:
+    """Megatron's answer to fewer KV heads ``K`` than ranks ``T``: when ``T % K == 0`` and ``T`` divides the query
+    heads ``H``, rank ``r`` holds query heads ``[r H/T, (r+1) H/T)`` and one copy of their KV head ``r K / T``
+    (``T/K`` ranks per KV head). ``(T/K, KV-side nodes, "")``, or ``(1, {}, why not)``: then the block is padded."""
+    if units % tp == 0 or not prop.conversions:
+        return 1, set(), ""
+    kv = _kv_side(prop)
+    for node in kv:
+        for user in node.users:
+            if user in prop.sharded and user not in kv and node not in prop.conversions.get(user, ()):
+                return 1, set(), f"{node.name} feeds both the KV heads and the query heads"
+    query = set(prop.sharded) - kv
+    kv_units, query_units = _units(prop, kv), _units(prop, query)
+    if tp % kv_units or query_units % tp or query_units % kv_units:
+        return 1, set(), f"{kv_units} KV heads do not divide TP={tp}, or TP does not divide {query_units} query heads"
+    return tp // kv_units, kv, ""
+
+
+def _analyse(prop: _Propagator, columns: list[Linear], row: Linear, region: list[fx.Node]) -> _Propagator:
+    """Follow the sliced dimension through the block and check the row linear reads it as its features."""
+    for c in columns:
+        prop.seed(c.node)
+    for n in region:
+        prop.visit(n)
+    if row.input not in prop.sharded:
+        raise _Unsplittable("its input does not come from the feeding linears")
+    last = _shape(row.input)
+    if prop.sharded[row.input] != len(last) - 1:  # type: ignore[arg-type]
+        raise _Unsplittable("its input is sliced along another dimension than its features")
+    return prop
 
 
 def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str, Any]]]:
@@ -514,28 +605,37 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
             inputs = {c.input for c in columns}
             if len(inputs) != 1:
                 raise _Unsplittable("the linears feeding it read different inputs")
-            prop = _Propagator(tp)
-            for c in columns:
-                prop.seed(c.node)
             region = sorted((n for n in walked if n not in linears and n.op == "call_function"), key=order.__getitem__)
-            for n in region:
-                prop.visit(n)
+            prop = _Propagator(tp)
+            try:
+                _analyse(prop, columns, row, region)
+            except _Unsplittable as first:
+                if not prop.ambiguous:
+                    raise
+                try:  # a view may have split the features as one head (one KV head: MQA): read it that way
+                    prop = _analyse(_Propagator(tp, heads_of_one=True), columns, row, region)
+                except _Unsplittable as again:
+                    raise _Unsplittable(f"{first}; reading size-one view dims as one head: {again}") from None
             sliced_region = [n for n in region if n in prop.sharded]
-            if row.input not in prop.sharded:
-                raise _Unsplittable("its input does not come from the feeding linears")
-            last = _shape(row.input)
-            if prop.sharded[row.input] != len(last) - 1:  # type: ignore[arg-type]
-                raise _Unsplittable("its input is sliced along another dimension than its features")
             inside = set(sliced_region) | {c.node for c in columns}
             for n in inside:
                 outside = [u.name for u in n.users if u not in inside and u is not row.node]
                 if outside:
                     raise _Unsplittable(f"{n.name} is also used outside the block ({', '.join(outside)})")
-            units = _units(prop, columns)
-            if units % tp:
+            units = _units(prop)
+            replicas, kv, why = _replicated_kv(prop, units, tp)
+            if replicas > 1:
+                log.info("tensor_parallel: %s: %d KV heads on TP=%d, each held by %d ranks with their query heads", row.weight, tp // replicas, tp, replicas)
+            elif units % tp:
                 padded = padded_units(units, tp) * tp
                 log.info("tensor_parallel: %s splits %d units (heads or hidden units) over TP=%d, padded with zeros to %d", row.weight, units, tp, padded)
-            blocks.append(Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units, prop.states))
+                if why:
+                    log.info("tensor_parallel: %s: KV heads not replicated: %s", row.weight, why)
+            block = Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units, prop.states)
+            if replicas > 1:
+                block.replicas, block.kv, block.repeats = replicas, kv, prop.repeats
+                block.replicated_states = {name for name, writer in prop.writers.items() if writer in kv}
+            blocks.append(block)
         except _Unsplittable as exc:
             whole.append({"row": row.weight, "columns": [c.weight for c in columns], "reason": str(exc)})
             log.warning("tensor_parallel: %s stays replicated: %s", row.weight, exc)
@@ -703,16 +803,23 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
     A block whose units TP does not divide runs on every rank with the largest share of units: this rank's
     own, then zero-weight padding; the row-parallel linear's input is multiplied by a 0/1 mask over the
     padding, so padded units add nothing to the output and get no gradient (their weights stay zero).
+
+    A block with replicated KV heads (``Block.replicas`` > 1) runs each rank on its share of the query heads
+    and one KV head: the KV side's sizes are one head's, the repeats ``n_rep / replicas``, and the k/v weights
+    go through ``tp_sum_replicas`` (their gradient summed over the ranks holding the same head).
     """
     slices: dict[str, SliceSpec] = {}
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for index, b in enumerate(blocks):
-        padded = b.units % tp != 0
+        padded = b.units % tp != 0 and b.replicas == 1
         held = padded_units(b.units, tp)
 
-        def local(size: int, b: Block = b, held: int = held) -> int:
+        def local(size: int, node: fx.Node, b: Block = b, held: int = held) -> int:
+            if b.replicas > 1:  # one KV head per rank; the query side in T equal shares
+                return size // (tp // b.replicas) if node in b.kv else size // tp
             return size // b.units * held
+
         x = b.columns[0].input
         first = min((c.node for c in b.columns), key=order.__getitem__)
         with graph.inserting_before(first):
@@ -723,22 +830,32 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
             c.node.replace_input_with(x, copied)
             parts = b.blocks[c.node]
             units = b.units if padded else 0
-            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts, units=units)
+            replicas = b.replicas if c.node in b.kv else 1
+            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts, units=units, replicas=replicas)
             if c.bias is not None:
-                slices[c.bias] = SliceSpec(dim=0, blocks=parts, units=units)
+                slices[c.bias] = SliceSpec(dim=0, blocks=parts, units=units, replicas=replicas)
+            if replicas > 1:
+                _sum_replica_gradients(graph, c, group, rank // replicas, tp // replicas)
         for node, (pos, size) in b.rewrites.items():
             if pos == -1:  # split(x, size): each part's size
-                node.args = (node.args[0], local(size), *node.args[2:])
+                node.args = (node.args[0], local(size, node), *node.args[2:])
             elif pos == -2:  # split_with_sizes: every size
-                node.args = (node.args[0], [local(s) for s in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+                node.args = (node.args[0], [local(s, node) for s in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
             elif pos == -3:  # repeat_interleave's output_size
-                node.kwargs = {**node.kwargs, "output_size": local(size)}
+                node.kwargs = {**node.kwargs, "output_size": local(size, node)}
             else:
                 sizes = list(node.args[1])  # type: ignore[arg-type]
-                sizes[pos] = local(size)
+                sizes[pos] = local(size, node)
+                node.args = (node.args[0], sizes, *node.args[2:])
+        for node, (pos, count) in b.repeats.items():  # replicated KV heads: each repeated for this rank's query heads only
+            if pos == -1:  # repeat_interleave's repeats
+                node.args = (node.args[0], count // b.replicas, *node.args[2:])
+            else:  # repeat_kv's expand
+                sizes = list(node.args[1])  # type: ignore[arg-type]
+                sizes[pos] = count // b.replicas
                 node.args = (node.args[0], sizes, *node.args[2:])
         for buffer, dim in b.states.items():
-            slices[buffer] = SliceSpec(dim=dim)
+            slices[buffer] = SliceSpec(dim=dim, replicas=b.replicas if buffer in b.replicated_states else 1)
         row = b.row
         slices[row.weight] = SliceSpec(dim=0 if row.transposed else 1, units=b.units if padded else 0)
         node = row.node
@@ -765,6 +882,20 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
     graph.lint()
     gm.recompile()
     return slices
+
+
+def _sum_replica_gradients(graph: fx.Graph, column: Linear, group: Any, slot: int, slots: int) -> None:
+    """The column reads its weight (and bias) through ``tp_sum_replicas``: the ranks sharing a KV head each hold a
+    copy, and each computes only its query heads' part of its gradient."""
+    for name in (column.weight, column.bias):
+        if name is None:
+            continue
+        attr = next(a for a in column.node.all_input_nodes if a.op == "get_attr" and a.target == name)
+        with graph.inserting_before(column.node):
+            summed = graph.call_function(tp_sum_replicas, (attr, group, slot, slots))
+        summed.meta["val"] = attr.meta.get("val")
+        summed.meta.setdefault("dscompile", {})["shard"] = "tp_sum_replicas"
+        column.node.replace_input_with(attr, summed)
 
 
 def _mask_padding(gm: fx.GraphModule, x: fx.Node, name: str, units: int, rank: int, tp: int) -> fx.Node:
@@ -831,6 +962,15 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     return gm
 
 
+def split_entry(b: Block, tp: int) -> dict[str, Any]:
+    """A split block in the plan: its linears, and, when it has fewer KV heads than ranks, which are replicated."""
+    entry: dict[str, Any] = {"row": b.row.weight, "columns": [c.weight for c in b.columns]}
+    if b.replicas > 1:
+        kv = [c.weight for c in b.columns if c.node in b.kv]
+        entry["kv_replicated"] = {"columns": kv, "kv_heads": tp // b.replicas, "ranks_per_kv_head": b.replicas}
+    return entry
+
+
 def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGroups, tc: TensorParallelConfig) -> tuple[fx.GraphModule, TensorParallelPlan]:
     """Capture, find the blocks, rewrite the graph and partition ``model``'s parameters in place."""
     tp = groups.tp_size
@@ -848,7 +988,7 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
     plan = TensorParallelPlan(tp)
     group_name = groups.tp_group.group_name if groups.tp_group is not None else ""
     plan.slices = rewrite(gm, blocks, group_name, tp, groups.tp_rank)
-    plan.split = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
+    plan.split = [split_entry(b, tp) for b in blocks]
     plan.replicated = whole
     if tc.vocab_parallel_lm_head:
         heads, plan.vocab_replicated = find_vocab_heads(gm)

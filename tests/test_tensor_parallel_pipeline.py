@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS, MICRO = 4, 2
 CLIP = 0.5
 LLAMA = {"seq_len": 8, "d_model": 16, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "vocab_size": 40, "hidden_dim": 32}
+LLAMA_MQA = LLAMA | {"n_kv_heads": 1}  # one KV head: replicated on both TP ranks (tests/test_tensor_parallel_kv_replication.py)
 HF_LLAMA = {"hidden": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 64, "seq_len": 8}
 
 
@@ -33,6 +34,8 @@ def _optimizer(name: str) -> dict[str, Any]:
 def _case(model: str) -> Any:
     from dscompile.zoo import build
 
+    if model == "llama_mqa":
+        return build("llama", seed=3, **LLAMA_MQA)
     return build("llama", seed=3, **LLAMA) if model == "llama" else build("hf_llama", seed=3, **HF_LLAMA)
 
 
@@ -95,6 +98,7 @@ def _train(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict[str,
             "stage": engine.stage_id,
             "tp_rank": engine.tp_rank,
             "blocks_split": len(engine.tensor_parallel_plan.split),
+            "kv_replicated": sum("kv_replicated" in e for e in engine.tensor_parallel_plan.split),
             # bytes this rank holds of the layers TP split, against their full size
             "held": sum(local[n].numel() for n in sliced if n in local),
             "full": sum(engine.stage_parameters()[n].numel() for n in sliced if n in local),
@@ -114,7 +118,20 @@ def test_tp2_times_two_pipeline_stages_equal_single_process() -> None:
     ranks = run_distributed_or_fail(_train, 4, RUNS, timeout=900)
     first = f"{RUNS[0][0]}/{RUNS[0][1]}"
     assert [(r[first]["stage"], r[first]["tp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # TP innermost
-    for model, optimizer, _ in RUNS:
+    _compare(ranks, RUNS)
+
+
+@requires_backend("gloo")
+def test_one_kv_head_replicated_in_pipeline_stages() -> None:
+    """The KV head both TP ranks hold: its gradient summed over them inside each stage, the norm counting it once."""
+    runs = [("llama_mqa", "sgd", "eager")]
+    ranks = run_distributed_or_fail(_train, 4, runs, timeout=600)
+    assert all(r["llama_mqa/sgd"]["kv_replicated"] == LLAMA_MQA["n_layers"] for r in ranks), ranks
+    _compare(ranks, runs, halves=False)  # k/v projections are whole on each rank: not half of the split layers
+
+
+def _compare(ranks: list[dict[str, Any]], runs: list[tuple[str, str, str]], halves: bool = True) -> None:
+    for model, optimizer, _ in runs:
         key = f"{model}/{optimizer}"
         ref = _reference(model, optimizer)
         # AdamW: the issue allows 1e-3; measured 3.4e-6, so 1e-4 still catches a weight-decay mismatch (1e-4 a step)
@@ -125,7 +142,7 @@ def test_tp2_times_two_pipeline_stages_equal_single_process() -> None:
             assert run["blocks_split"] >= 2, (key, run["blocks_split"])  # attention and MLP of each layer
             for got, want in zip(run["losses"], ref["losses"]):
                 assert abs(got - want) <= tol * abs(want), (key, run["losses"], ref["losses"])
-            assert run["full"] > 0 and run["held"] * 2 == run["full"], (key, run["held"], run["full"])  # each TP rank: half
+            assert run["full"] > 0 and (run["held"] * 2 == run["full"] or not halves), (key, run["held"], run["full"])  # each TP rank: half
             params.update(run["params"])
         assert params.keys() == ref["params"].keys(), key  # the stages together hold the whole model
         for name, want in ref["params"].items():

@@ -376,6 +376,7 @@ class PipelineEngine(EngineCore):
         gm, plan = parallelize(self.root, example, {}, self.tp_groups, self.tensor_parallel)
         self.tensor_parallel_plan = plan
         self.gradients.tp_sliced = {id(self.root.get_parameter(name)) for name in plan.slices}
+        self.gradients.tp_replicas = {id(self.root.get_parameter(name)): spec.replicas for name, spec in plan.slices.items() if spec.replicas > 1}
         trainable = {id(p) for p in self.root.parameters() if p.requires_grad}
         param_nodes = {n for n in gm.graph.nodes if n.op == "get_attr" and id(getattr_path(gm, str(n.target))) in trainable}
         return gm, param_nodes

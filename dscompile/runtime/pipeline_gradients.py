@@ -49,6 +49,7 @@ class PipelineGradients(GradientStrategy):
         self.zero_stage = zero_stage
         self.tp_size, self.tp_rank = tp_size, global_rank % tp_size
         self.tp_sliced: set[int] = set()  # ids of the parameters tensor parallelism split (the others are replicated)
+        self.tp_replicas: dict[int, int] = {}  # ids of split parameters whose slice several TP ranks hold (KV heads) -> how many
         self.params: list[nn.Parameter] = []
         self.names: dict[int, str] = {}
         self.tied: list[tuple[list[nn.Parameter], Any]] = []
@@ -150,7 +151,7 @@ class PipelineGradients(GradientStrategy):
         sq = torch.zeros((), dtype=torch.float64, device=collective_device(like=self.params[0] if self.params else None))
         for p in self.params:
             if p.grad is not None and id(p) not in skip:
-                sq += p.grad.double().pow(2).sum()
+                sq += p.grad.double().pow(2).sum() / self.tp_replicas.get(id(p), 1)  # a shared slice: counted once
         if self.world_size > 1:
             with engine.comm_stats.timed("pipeline", "norm_all_reduce", tensor_bytes(sq)):
                 dist.all_reduce(sq)

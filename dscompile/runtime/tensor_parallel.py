@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,26 @@ def tp_copy(x: torch.Tensor, group: Any) -> torch.Tensor:
 def tp_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Megatron's *g*: all-reduce forward (partial sums of row-parallel linears), identity backward."""
     return _ReduceFromTensorParallel.apply(x, group)
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, group: Any, slot: int, slots: int) -> torch.Tensor:
+        ctx.group, ctx.slot, ctx.slots = group, slot, slots
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        placed = grad.new_zeros((ctx.slots, *grad.shape)).select_scatter(grad, 0, ctx.slot)
+        return sum_in_group(placed, ctx.group)[ctx.slot], None, None, None
+
+
+def tp_sum_replicas(w: torch.Tensor, group: Any, slot: int, slots: int) -> torch.Tensor:
+    """A weight held by several TP ranks (a KV head shared by their query heads; ``SliceSpec.replicas``): identity
+    forward; backward, each rank's gradient put at its head's ``slot`` of ``slots`` zeros, summed over the group,
+    and its slot taken back, so every rank holding the head gets the sum of their partial gradients (one
+    all-reduce, a graph node once traced)."""
+    return _SumOverReplicas.apply(w, group, slot, slots)
 
 
 def units_of_rank(units: int, rank: int, world: int) -> tuple[int, int]:
@@ -142,13 +163,19 @@ class SliceSpec:
     not divide (3 heads on 2 ranks): each block is ``units`` whole units (heads, KV-head groups, hidden
     units), rank ``r`` holds its balanced share and zeros after it, up to ``padded_units`` units, so
     every rank's slice has one shape; the zeros are padding, dropped when the slices are assembled.
+    ``replicas`` > 1 is a slice held by that many consecutive ranks (a KV head shared by their query heads when
+    there are fewer KV heads than ranks): the tensor is cut in ``world / replicas`` pieces, rank ``r`` holds
+    piece ``r // replicas``, and assembling takes one copy of each.
     """
 
     dim: int
     blocks: int = 1
     units: int = 0
+    replicas: int = 1
 
     def take(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        if self.replicas > 1:
+            return dataclasses.replace(self, replicas=1).take(full, rank // self.replicas, world // self.replicas)
         pieces = full.chunk(self.blocks, dim=self.dim)
         if not self.units:
             return torch.cat([piece.chunk(world, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
@@ -163,7 +190,9 @@ class SliceSpec:
         return torch.cat(out, dim=self.dim)
 
     def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's slice (rank order), padding dropped."""
+        """The full tensor from every rank's slice (rank order), padding dropped (and copies, for replicas)."""
+        if self.replicas > 1:
+            return dataclasses.replace(self, replicas=1).assemble(slices[:: self.replicas])
         world = len(slices)
         per_rank = [s.chunk(self.blocks, dim=self.dim) for s in slices]
         if self.units:
@@ -201,9 +230,10 @@ class TensorParallelGradients(DataParallelGradients):
         self._slices = slices  # the pass's plan, known after the first forward captured the graph
         self.defer_optimizer = defer_optimizer  # keeps a checkpoint's optimizer states loaded before the split for after it
 
-    def _sliced_ids(self) -> set[int]:
+    def _sliced_ids(self) -> dict[int, int]:
+        """Sliced parameters (by id) -> how many TP ranks hold each copy of their slice (``SliceSpec.replicas``)."""
         specs = self._slices()
-        return {id(p) for n, p in self.module.named_parameters() if n in specs}
+        return {id(p): specs[n].replicas for n, p in self.module.named_parameters() if n in specs}
 
     def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
         sliced = self._sliced_ids()
@@ -216,7 +246,7 @@ class TensorParallelGradients(DataParallelGradients):
         for p in grads:
             sq = p.grad.detach().double().pow(2).sum()
             if id(p) in sliced:
-                sq_sliced += sq
+                sq_sliced += sq / sliced[id(p)]  # a slice held by several ranks: counted once over the group
             else:
                 sq_whole += sq
         if self.groups.tp_size > 1:
@@ -295,7 +325,8 @@ class TensorParallelOver(GradientStrategy):
         sq = torch.zeros(2, dtype=torch.float64, device=device)  # [sliced, replicated over TP]
         for layout, shard in zip(partition.layouts, partition.shards):
             if shard.grad is not None:
-                sq[0 if layout.name in specs else 1] += shard.grad.detach().double().pow(2).sum()
+                spec = specs.get(layout.name)  # a slice held by several ranks (replicas): counted once over the group
+                sq[0 if spec is not None else 1] += shard.grad.detach().double().pow(2).sum() / (spec.replicas if spec is not None else 1)
         if partition.world > 1:
             dist.all_reduce(sq, group=partition.group)
         if self.groups.tp_size > 1:
@@ -347,7 +378,7 @@ def slicing_metadata(groups: ProcessGroups, specs: dict[str, SliceSpec]) -> dict
     return {
         "tp_size": groups.tp_size,
         "tp_rank": groups.tp_rank,
-        "slices": {n: {"dim": sp.dim, "blocks": sp.blocks, "units": sp.units} for n, sp in specs.items()},
+        "slices": {n: {"dim": sp.dim, "blocks": sp.blocks, "units": sp.units, "replicas": sp.replicas} for n, sp in specs.items()},
     }
 
 

@@ -115,7 +115,8 @@ class StaticCacheGenerator:
     ``prefill`` and ``decode`` are the compiled step functions (``fn(**model_kwargs) -> logits``);
     the generator owns the caches (one per batch size and dtype, reset between calls). Under tensor
     parallelism (``tp_size`` ranks) each rank's cache holds ``ceil(kv_heads / tp_size)`` heads (its share,
-    padded to the largest share when TP does not divide them).
+    padded to the largest share when TP does not divide them; the one KV head its query heads use when the pass
+    replicates fewer KV heads than ranks).
     """
 
     def __init__(self, model: nn.Module, max_out_tokens: int, min_out_tokens: int, prefill: StepFn, decode: StepFn, tp_size: int = 1) -> None:
