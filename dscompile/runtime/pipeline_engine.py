@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +60,9 @@ from dscompile.runtime.tensor_parallel import broadcast_in_tp_group, gather_slic
 from dscompile.runtime.zero_shard import collective_failures_explained
 
 log = logging.getLogger("dscompile.pipeline_engine")
+
+
+_MP_RANK = re.compile(r"^pipe_stage_\d+_mp_rank_(\d+)_model_states\.pt$")
 
 
 def check_pipeline_world(world_size: int, stages: int, tp_size: int = 1) -> None:
@@ -381,14 +385,6 @@ class PipelineEngine(EngineCore):
         param_nodes = {n for n in gm.graph.nodes if n.op == "get_attr" and id(getattr_path(gm, str(n.target))) in trainable}
         return gm, param_nodes
 
-    def _refuse_under_tensor_parallel(self, what: str) -> None:
-        if self.tp_size > 1:
-            raise DSCompileConfigError(
-                "tensor_parallel",
-                f"{what} of a pipeline with tensor parallelism is not built yet (each TP rank holds slices of its stages)",
-                "read the weights with engine.stage_parameters() (the slices gathered), or train without tensor_parallel",
-            )
-
     def _stage_config(self) -> DSConfig:
         """The config the stage graphs compile with: ZeRO-1 is the engine's job here, not a graph pass, and
         tensor parallelism has already split the graph the stages are cut from."""
@@ -545,9 +541,9 @@ class PipelineEngine(EngineCore):
         Every stage's parameters and buffers are gathered from the ranks of data-parallel replica 0
         (each rank holds only its stages). A collective on every rank; returns True.
         """
-        self._refuse_under_tensor_parallel("save_16bit_model")
         if self.program is None:
             raise RuntimeError("save_16bit_model before the first train_batch: nothing is partitioned yet")
+        slices = self.tensor_parallel_plan.slices if self.tensor_parallel_plan is not None else {}
         names: dict[int, list[str]] = {}
         by_id: dict[int, torch.Tensor] = {}
         for name, t in [*self.root.named_parameters(remove_duplicate=False), *self.root.named_buffers(remove_duplicate=False)]:
@@ -558,9 +554,14 @@ class PipelineEngine(EngineCore):
             owned.update(id(b) for b in self.program.stages[s].module.buffers())
         mine: dict[str, torch.Tensor] = {}
         if self.dp_id == 0:
-            for pid in owned & by_id.keys():
+            root_names = {id(t): name for name, t in self.root.named_parameters(remove_duplicate=False) if name in slices}
+            for pid in sorted(owned & by_id.keys(), key=lambda i: names[i][0]):  # one order on every TP rank: gathers pair up
+                value = by_id[pid].detach()
+                if pid in root_names:  # a tensor-parallel slice: the whole tensor from the TP group's slices
+                    assert self.tp_groups is not None
+                    value = slices[root_names[pid]].assemble(gather_slices(value, self.tp_groups))
                 for name in names[pid]:
-                    mine[name] = by_id[pid].detach().to("cpu", copy=True)  # pickled for the gather: host copies
+                    mine[name] = value.to("cpu", copy=True)  # pickled for the gather: host copies
         pieces: list[Any] = [mine]
         if self.world_size > 1:
             pieces = [None] * self.world_size if self.global_rank == 0 else []
@@ -579,8 +580,8 @@ class PipelineEngine(EngineCore):
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None) -> Path:
         """Per stage ``pipe_stage_NN_model_states.pt`` (by parameter name) and per pipeline rank
-        ``pipe_rank_NN_states.pt`` (optimizer, scheduler, counters); data-parallel rank 0 writes."""
-        self._refuse_under_tensor_parallel("save_checkpoint")
+        ``pipe_rank_NN_states.pt`` (optimizer, scheduler, counters); data-parallel rank 0 writes. With tensor
+        parallelism each TP rank writes its slices' set, named ``..._mp_rank_TT_...`` as DeepSpeed names them."""
         if self.program is None:
             raise RuntimeError("save_checkpoint before the first train_batch: nothing is partitioned yet")
         tag = tag or f"global_step{self.global_steps}"
@@ -590,22 +591,33 @@ class PipelineEngine(EngineCore):
                 for s in self.local_stages:
                     spec = self.program.stages[s]
                     state = {name: t.detach() for name, t in spec.module.state_dict().items()}
-                    ckpt.save(state, f"pipe_stage_{s:02d}_model_states.pt")
+                    ckpt.save(state, self._stage_file(s))
                 ckpt.save(
                     {
                         "optimizer": self.optimizer.state_dict() if self.optimizer is not None and not self.zero1_sharded else None,
                         "zero1_replicas": self.dp_size if self.zero1_sharded else 0,
                         "bounds": self.program.plan.bounds,
+                        "tp_size": self.tp_size,
                         **self.core_state_dict(client_state),  # scheduler, counters, extensions (loss scaler)
                     },
-                    f"pipe_rank_{self.stage_id:02d}_states.pt",
+                    self._rank_file(),
                 )
             if self.zero1_sharded and self.optimizer is not None:  # each replica's shard of the optimizer states
                 ckpt.save(self.optimizer.state_dict(), self._zero1_optim_file())
         return ckpt.directory
 
+    def _mp(self) -> str:
+        """The TP rank's part of a file name (none without tensor parallelism: the layout before it)."""
+        return f"_mp_rank_{self.tp_rank:02d}" if self.tp_size > 1 else ""
+
+    def _stage_file(self, stage: int) -> str:
+        return f"pipe_stage_{stage:02d}{self._mp()}_model_states.pt"
+
+    def _rank_file(self) -> str:
+        return f"pipe_rank_{self.stage_id:02d}{self._mp()}_states.pt"
+
     def _zero1_optim_file(self) -> str:
-        return f"pipe_rank_{self.stage_id:02d}_dp_{self.dp_id:02d}_optim_states.pt"
+        return f"pipe_rank_{self.stage_id:02d}{self._mp()}_dp_{self.dp_id:02d}_optim_states.pt"
 
     def _load_optimizer(self, reader: CheckpointReader, state: dict) -> None:
         """The optimizer states as saved: whole per stage, or (ZeRO-1) this replica's shard."""
@@ -626,7 +638,6 @@ class PipelineEngine(EngineCore):
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True) -> tuple[str | None, dict | None]:
         """Restore parameters by name from every stage file (so another stage count works for the
         weights); optimizer and counters only when the partition is the same."""
-        self._refuse_under_tensor_parallel("load_checkpoint")
         if self.program is None:
             self._pending_load = (load_dir, tag, load_optimizer_states)
             return None, None
@@ -642,7 +653,13 @@ class PipelineEngine(EngineCore):
                 "load it with an engine without a 'pipeline' section"
             )
         reader = CheckpointReader(directory)  # every file verified against the checkpoint's manifest
-        files = [name for name in reader.names() if name.startswith("pipe_stage_") and name.endswith("_model_states.pt")]
+        saved_tp = max((int(m.group(1)) + 1 for m in map(_MP_RANK.search, reader.names()) if m), default=1)
+        if saved_tp != self.tp_size:
+            raise CheckpointError(
+                f"{directory} holds the stages of tensor-parallel size {saved_tp}; this pipeline runs at {self.tp_size}: "
+                "loading pipeline stages across TP sizes is not built (resume with the same tensor_parallel.autotp_size)"
+            )
+        files = [name for name in reader.names() if name.startswith("pipe_stage_") and name.endswith(f"{self._mp()}_model_states.pt")]
         saved: dict[str, torch.Tensor] = {}
         for f in files:
             saved.update(reader.load(f, weights_only=True))
@@ -653,7 +670,7 @@ class PipelineEngine(EngineCore):
                     if name not in saved:
                         raise KeyError(f"checkpoint {directory} has no tensor {name!r} for stage {s}")
                     t.copy_(saved[name])
-        rank_file = f"pipe_rank_{self.stage_id:02d}_states.pt"
+        rank_file = self._rank_file()
         client = None
         if reader.has(rank_file):
             state = reader.load(rank_file)
