@@ -507,7 +507,8 @@ class SequenceParallelModule(TensorParallelModule):
     dump_dir: str | None = None  # the config's dump directory: the plan is written there as JSON
 
     def _split(self, args: tuple, kwargs: dict) -> fx.GraphModule:
-        gm = capture(self.model, args, kwargs)
+        with self._whole_parameters():
+            gm = capture(self.model, args, kwargs)
         group_name = self.groups.tp_group.group_name if self.groups.tp_group is not None else ""
         plan = shard_sequence(gm, self.groups.tp_size, self.groups.tp_rank, group_name)
         self.plan = plan

@@ -1031,6 +1031,7 @@ class TensorParallelModule(nn.Module):
         self.__dict__["_graphs"] = {}  # (training, input signature) -> the compiled split graph
         self._first: tuple[bool, Any] | None = None  # the mode and signature of the first capture
         self._first_wrapped = False  # whether an extension (ZeRO-2/3) wrapped the first split graph
+        self.__dict__["_first_run"] = None  # what runs the first split graph (ZeRO-2/3's wrapper, if any): out of the tree too
 
     @property
     def output_dtype_module(self) -> nn.Module:
@@ -1051,15 +1052,16 @@ class TensorParallelModule(nn.Module):
         assert self.plan is not None
         specs = self.plan.slices
         tensors = {name: _parameter_or_buffer(self.model, name) for name in specs}
-        held = {name: t.data for name, t in tensors.items()}
-        try:
-            with torch.no_grad():
+        with self._whole_parameters():
+            held = {name: t.data for name, t in tensors.items()}
+            try:
+                with torch.no_grad():
+                    for name, t in tensors.items():
+                        t.data = specs[name].assemble(gather_slices(held[name], self.groups))
+                gm, again = parallelize(self.model, args, kwargs, self.groups, self.tc)
+            finally:
                 for name, t in tensors.items():
-                    t.data = specs[name].assemble(gather_slices(held[name], self.groups))
-            gm, again = parallelize(self.model, args, kwargs, self.groups, self.tc)
-        finally:
-            for name, t in tensors.items():
-                t.data = held[name]
+                    t.data = held[name]
         if again.slices != specs:
             changed = sorted(set(again.slices) ^ set(specs)) or sorted(n for n in specs if again.slices[n] != specs[n])
             raise DSCompileConfigError(
@@ -1074,8 +1076,13 @@ class TensorParallelModule(nn.Module):
 
     def captures_again(self) -> bool:
         """Each new batch shape or train/eval mode is captured and split anew (from the weights gathered for the
-        capture), unless ZeRO-2/3 wrapped the first graph over their shards."""
-        return not self._first_wrapped
+        capture), and wrapped as the first graph was (ZeRO-2/3 run it over their shards)."""
+        return not self._first_wrapped or hasattr(self._first_run, "wrapping")
+
+    def _whole_parameters(self) -> contextlib.AbstractContextManager[None]:
+        """For a later capture: the parameters hold their values (ZeRO-3 keeps only shards between steps)."""
+        first = self._first_run
+        return first.whole_parameters() if self._first_wrapped and hasattr(first, "whole_parameters") else contextlib.nullcontext()  # type: ignore[union-attr]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         broadcast_in_tp_group(list(args) + list(kwargs.values()), self.groups)
@@ -1090,6 +1097,9 @@ class TensorParallelModule(nn.Module):
             if self._first is None:
                 run = self.after_split(gm) if self.after_split is not None else gm
                 self._first, self._first_wrapped = (self.model.training, signature), run is not gm
+                self.__dict__["_first_run"] = run
+            elif self._first_wrapped:  # the same ZeRO-2/3 ops, over the same shards, around the new graph
+                run = self._first_run.wrapping(gm)  # type: ignore[union-attr, operator]
             graph = torch.compile(run, backend="dscompile", options=self.compile_options) if self.compile_options is not None else run
             self._graphs[key] = graph
         return graph(*args, **kwargs)
@@ -1102,13 +1112,13 @@ class TensorParallelModule(nn.Module):
                 self.config_key,
                 f"the graph was captured and split in {'training' if training else 'eval'} mode (dropout baked in); "
                 f"the model is now in {'training' if self.model.training else 'eval'} mode",
-                f"keep one mode per engine: ZeRO-2/3 run the first graph over their shards, so switching train/eval after the "
-                f"first batch is not built under {self.config_key} with them (ZeRO-1 or none captures each mode)",
+                f"keep one mode per engine: switching train/eval after the first batch is not built under {self.config_key} "
+                "with what wraps its first graph",
             )
         raise DSCompileConfigError(
             self.config_key,
-            f"the graph was captured and split for inputs {first} and ZeRO-2/3 run it over their shards; this batch is {signature}",
-            "keep the batch shape fixed (pad the last batch, or drop it: dataloader_drop_last), or use ZeRO-1 (it captures each shape)",
+            f"the graph was captured and split for inputs {first}, and what wraps it cannot wrap another; this batch is {signature}",
+            "keep the batch shape fixed (pad the last batch, or drop it: dataloader_drop_last)",
         )
 
 

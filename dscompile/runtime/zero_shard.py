@@ -556,6 +556,32 @@ class ZeroModule(nn.Module):
         # are read through ``zero_param_load`` (the host or NVMe copy) right before their gather.
         self.offloaded_shards: dict[int, int] = {}
 
+    def wrapping(self, module: nn.Module) -> ZeroModule:
+        """The same ZeRO ops, over the same shards, around another graph of the model's parameters (a model
+        captured again: eval mode, another batch shape)."""
+        other = ZeroModule(module, self.partition)
+        other.collectives_up_front = self.collectives_up_front
+        other.offloaded_shards = self.offloaded_shards
+        return other
+
+    @contextlib.contextmanager
+    def whole_parameters(self) -> Iterator[None]:
+        """While the model is captured again: every parameter ZeRO-3 keeps only as shards holds its whole value
+        (gathered over the group), released after."""
+        partition = self.partition
+        sharded = [(p, layout) for layout, p in zip(partition.layouts, partition.full_params) if not layout.persistent]
+        if not sharded:
+            yield
+            return
+        values = partition.full_state()
+        try:
+            for p, layout in sharded:
+                p.data = values[layout.name]
+            yield
+        finally:
+            for p, _ in sharded:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors: dict[str, torch.Tensor] = {}
         for i, ((name, persistent, shape, numel), shard) in enumerate(zip(self._plan, self.zero_shards)):
