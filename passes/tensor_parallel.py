@@ -77,6 +77,7 @@ from dscompile.runtime.tensor_parallel import (
     TensorParallelOver,
     broadcast_in_tp_group,
     gather_slices,
+    gather_vocabulary,
     padded_units,
     tp_copy,
     tp_reduce,
@@ -655,6 +656,7 @@ class VocabHead:
     embeddings: list[fx.Node]
     vocab: int
     ignore_index: int
+    chain: list[fx.Node]  # the linear, then the views and casts to the loss (any other user of them reads gathered logits)
 
 
 def _arg(node: fx.Node, position: int, name: str, default: Any) -> Any:
@@ -688,14 +690,18 @@ def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str
             logits = loss.args[0]
             if len(_shape(logits) or ()) != 2:
                 raise _Unsplittable("the loss does not read [tokens, vocabulary] logits")
-            views, x = [], logits
-            while len(x.users) == 1 and (x.target in _VIEWS or _casts_only(x)):  # views, and Hugging Face's logits.float()
+            views, x, chain = [], logits, []
+            while x.target in _VIEWS or _casts_only(x):  # views, and Hugging Face's logits.float()
                 if x.target in _VIEWS:
                     views.append(x)
+                chain.insert(0, x)
                 x = x.args[0]
+            chain.insert(0, x)
             head = _as_linear(x)
-            if head is None or head.transposed or head.bias is not None or len(x.users) != 1:
-                raise _Unsplittable("the loss does not read the logits of a linear without bias, used nowhere else")
+            if head is None or head.transposed or head.bias is not None:
+                raise _Unsplittable("the loss does not read the logits of a linear without bias")
+            if any(h.linear.node is x for h in heads):
+                raise _Unsplittable(f"the LM head {x.name} also feeds another loss")
             vocab = _shape(x)[-1]  # type: ignore[index]
             if any((_shape(v) or (0,))[-1] != vocab for v in views):
                 raise _Unsplittable("a view between the LM head and the loss moves the vocabulary dimension")
@@ -705,7 +711,7 @@ def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str
             for u in embeddings:
                 if u.target is not aten.embedding.default or len(u.args) > 2 or u.kwargs:
                     raise _Unsplittable(f"the LM head's weight is also read by {u.name} ({u.target}), not a plain embedding")
-            heads.append(VocabHead(head, views, loss, embeddings, vocab, int(_arg(loss, 4, "ignore_index", -100))))
+            heads.append(VocabHead(head, views, loss, embeddings, vocab, int(_arg(loss, 4, "ignore_index", -100)), chain))
         except _Unsplittable as exc:
             whole.append({"loss": loss.name, "reason": str(exc)})
             log.warning("tensor_parallel: the LM head of %s stays replicated: %s", loss.name, exc)
@@ -726,6 +732,14 @@ def rewrite_vocab_heads(gm: fx.GraphModule, heads: list[VocabHead], group: Any, 
             copied = graph.call_function(tp_copy, (x, group))
         copied.meta["val"] = x.meta.get("val")
         head.linear.node.replace_input_with(x, copied)
+        for node, onward in zip(head.chain, [*head.chain[1:], head.loss]):
+            others = [u for u in node.users if u is not onward]
+            if others:  # the logits are also returned (Hugging Face's output) or read elsewhere: those read them whole
+                with graph.inserting_after(node):
+                    whole = graph.call_function(gather_vocabulary, (node, group, tp, rank, head.vocab))
+                whole.meta["val"] = node.meta.get("val")
+                for user in others:
+                    user.replace_input_with(node, whole)
         for view in head.views:
             sizes = list(view.args[1])  # type: ignore[arg-type]
             if sizes[-1] != -1:

@@ -4,8 +4,9 @@
 config with its defaults: ``use_cache`` on, so in training mode too the model builds a ``DynamicCache``
 (its first keys joined to an empty tensor) and returns it with the logits. The graph capture used to
 fail on that object, and tensor parallelism left every attention block after the first whole. Now the
-capture turns the cache off (``past_key_values`` comes back None), every block splits, and the loss,
-the returned logits and the gradients equal the model's on one process.
+capture turns the cache off (``past_key_values`` comes back None), every block splits, the LM head splits by
+vocabulary (the loss reads each rank's columns; the returned logits are gathered), and the loss, the returned
+logits and the update equal the model's on one process.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _train_step(rank: int, world: int) -> dict[str, Any]:
             "cache": outputs.past_key_values,
             # the SGD update (lr x the gradient) against one process's
             "update_err": max(_relative(after[n] - before[n], p.detach() - before[n]) for n, p in reference.named_parameters()),
-            "blocks": (len(plan.split), plan.replicated) if parallelism == "tensor_parallel" else None,
+            "blocks": (len(plan.split), plan.replicated, len(plan.vocab)) if parallelism == "tensor_parallel" else None,
         }
     return out
 
@@ -87,6 +88,6 @@ def test_hugging_face_models_called_as_scripts_call_them() -> None:
             assert loss == pytest.approx(expected, rel=1e-5), (key, r)
             assert r["logits_err"] < 1e-5 and r["cache"] is None, (key, r)
             assert r["update_err"] < 1e-4, (key, r)
-            if r["blocks"] is not None:  # both layers' attention and MLP split
-                split, replicated = r["blocks"]
-                assert split == 4 and not replicated, (key, r)
+            if r["blocks"] is not None:  # both layers' attention and MLP split, and the LM head by vocabulary (logits gathered for the output)
+                split, replicated, vocab_heads = r["blocks"]
+                assert split == 4 and not replicated and vocab_heads == 1, (key, r)

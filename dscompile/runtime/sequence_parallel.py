@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dscompile.errors import DSCompileNotSupportedError
-from dscompile.runtime.tensor_parallel import sum_in_group
+from dscompile.runtime.tensor_parallel import gather_in_group, sum_in_group
 
 
 def _all_to_all(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
@@ -73,13 +73,6 @@ def sequence_to_heads(x: torch.Tensor, group_name: str, world: int) -> torch.Ten
     return all_to_all(x, 2, 1, group_name, world)
 
 
-def _gather(x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
-    c10d = torch.ops._c10d_functional
-    moved = x.movedim(dim, 0).contiguous()
-    got = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, world, group_name))
-    return got.movedim(0, dim)
-
-
 def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
     c10d = torch.ops._c10d_functional
     moved = x.movedim(dim, 0).contiguous()
@@ -91,7 +84,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
         ctx.dim, ctx.group_name, ctx.world = dim, group_name, world
-        return _gather(x, dim, group_name, world)
+        return gather_in_group(x, dim, group_name, world)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:

@@ -35,6 +35,14 @@ def sum_in_group(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group_name))
 
 
+def gather_in_group(x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
+    """All-gather along ``dim`` over a process group (by name), ranks in order: one functional collective and its wait."""
+    c10d = torch.ops._c10d_functional
+    moved = x.movedim(dim, 0).contiguous()
+    got = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, world, group_name))
+    return got.movedim(0, dim)
+
+
 class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -143,6 +151,29 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     """``F.cross_entropy(full_logits, targets, ignore_index=...)`` (mean) from this rank's vocabulary columns
     ``[first, first + count)`` (then padding): the same value on every rank of the group."""
     return _VocabParallelCrossEntropy.apply(logits, targets, group, first, count, ignore_index)
+
+
+class _GatherVocabulary(torch.autograd.Function):
+    """Every rank's vocabulary columns joined, padding dropped; backward: this rank's columns of the gradient
+    (the ops after the gather run alike on every rank of the group, so nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, world: int, rank: int, vocab: int) -> torch.Tensor:
+        held = ctx.held = x.shape[-1]
+        ctx.first, ctx.count = units_of_rank(vocab, rank, world)
+        gathered = gather_in_group(x, -1, group, world)
+        return torch.cat([gathered.narrow(-1, r * held, units_of_rank(vocab, r, world)[1]) for r in range(world)], dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        mine = grad.narrow(-1, ctx.first, ctx.count)
+        return torch.nn.functional.pad(mine, (0, ctx.held - ctx.count)), None, None, None, None  # zeros for the padding rows
+
+
+def gather_vocabulary(logits: torch.Tensor, group: Any, world: int, rank: int, vocab: int) -> torch.Tensor:
+    """The whole ``[..., vocab]`` logits from each rank's vocabulary-parallel columns (for a graph output or any
+    use besides the parallel cross-entropy, which reads the local columns)."""
+    return _GatherVocabulary.apply(logits, group, world, rank, vocab)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, group: Any, first: int, count: int) -> torch.Tensor:
