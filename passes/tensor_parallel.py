@@ -1,6 +1,7 @@
 """Tensor parallelism found from the graph: Megatron-style sharding of every transformer block it sees.
 
-The model is captured once (``torch.export``, non-strict, at the first batch) into an ATen graph. For
+The model is captured (``torch.export``, non-strict, at the first batch, and again for each new batch
+shape or train/eval mode, from the weights gathered for the capture) into an ATen graph. For
 every linear whose result is added to the residual stream (through dropouts and views), the pass walks
 up its input to the linears that feed it without another linear between (``q/k/v``, ``gate/up``,
 GPT-2's fused ``c_attn``) and checks that the block between them can run on a slice of the heads /
@@ -31,7 +32,8 @@ ops, softmax over another dimension, batched matmuls, SDPA, rotary halves, GQA's
 With ``vocab_parallel_lm_head`` the LM head (a linear whose logits a mean cross-entropy reads) is
 split by vocabulary rows, the loss becomes a parallel cross-entropy (three all-reduces of per-token
 vectors, no gathered logits) and an embedding tied to it a vocabulary-parallel lookup; a vocabulary TP
-does not divide is padded with rows the loss leaves out of its softmax.
+does not divide is padded with rows the loss leaves out of its softmax. Any other reader of the logits
+(a model that returns them, as Hugging Face's do) reads them gathered (``gather_vocabulary``).
 
 A block the pass cannot split (an op it does not know, a value used outside the block) stays replicated,
 and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
@@ -44,8 +46,9 @@ The engine's part (``TensorParallelExtension``): TP × DP groups (``runtime/proc
 batch broadcast within its TP group, gradients averaged over the DP group only
 (``TensorParallelGradients``), and ZeRO 1-3 over the DP group: the ZeRO extension hands its partitioning
 to ``engine.after_parameters_split``, run once the first batch split the model, so it shards the TP
-slices (ZeRO-2/3 then run the split graph over their shards, and the optimizer ``initialize`` returned
-is moved onto the shards in place). Mixed precision (bf16, fp16 with loss scaling) and activation
+slices (ZeRO-2/3 then run the split graph over their shards, and each later capture's graph over the
+same shards; the optimizer ``initialize`` returned is moved onto the shards in place). Checkpoints and
+their loads across layouts are ``runtime/tensor_parallel_checkpoint.py``'s. Mixed precision (bf16, fp16 with loss scaling) and activation
 checkpointing are the usual passes on the split graph. The pass runs on the exported graph *before* the dscompile pipeline (it changes parameter
 shapes, which Dynamo would otherwise guard on); the split graph then compiles through the usual
 pipeline and lowering.
