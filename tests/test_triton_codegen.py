@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest
 import sympy
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -227,12 +227,17 @@ def test_random_pointwise_reduction_graphs(spec):
     if transposed:  # the same values, read through a column-major (strided) layout
         a = a.t().contiguous().t()
     b = torch.randn(cols, generator=g).to(dtype).to(DEVICE)
-    gm, results = lowered(fn, a, b)
-    got, want = gm(a, b), fn(a, b)
     atol, rtol = TOL[dtype]
     if dtype != torch.float32:
         # eager rounds every op to half precision; long chains drift by a few ulps per op
         atol, rtol = atol * 4, rtol * 4
+    # A graph that turns the inputs' own rounding into more than the tolerance (exp(exp(exp(x))): a one-ulp change of
+    # x moves a 4e30 result by 4e-5) cannot be compared at this precision, by eager or by the kernel: not checked.
+    exact = fn(a.double(), b.double())
+    nudged = fn(a.double() * (1 + torch.finfo(dtype).eps), b.double() * (1 + torch.finfo(dtype).eps))
+    assume(bool(((nudged - exact).abs() <= (atol + rtol * exact.abs()) / 4).all()))
+    gm, results = lowered(fn, a, b)
+    got, want = gm(a, b), fn(a, b)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True)
 
 
