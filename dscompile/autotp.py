@@ -23,7 +23,7 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.module_inject.layers import set_autotp_mode
-from dscompile.runtime.process_groups import ParallelLayout, process_groups_for
+from dscompile.runtime.process_groups import process_groups_for
 
 _RECORD = "_dscompile_tp_model_init"
 
@@ -116,18 +116,11 @@ def merge_autotp_intent(model: nn.Module, cfg: Any, mpu: Any) -> tuple[Any, Any]
     section = cfg.sections.get(SECTION)
     if mpu is None or section is None or not section.enabled:
         return cfg, mpu
-    from dscompile.runtime.model_parallel_unit import mpu_groups
+    from dscompile.runtime.model_parallel_unit import process_groups_from_mpu
 
-    tp_group, dp_group = mpu_groups(mpu)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    layout = ParallelLayout(world, section.autotp_size)
-    expected_tp = next(g for g in layout.tp_groups() if rank in g)
-    expected_dp = next(g for g in layout.dp_groups() if rank in g)
-    tp_ranks, dp_ranks = sorted(dist.get_process_group_ranks(tp_group)), sorted(dist.get_process_group_ranks(dp_group))
-    if tp_ranks != expected_tp or dp_ranks != expected_dp:
-        raise DSCompileNotSupportedError(
-            "mpu",
-            f"with tensor_parallel.autotp_size {section.autotp_size}, groups laid out otherwise than TP innermost (rank {rank}: "
-            f"TP group {tp_ranks}, data-parallel group {dp_ranks}; expected {expected_tp} and {expected_dp})",
+    groups = process_groups_from_mpu(mpu, cfg)  # checked against the TP-innermost layout
+    if groups.tp_size != section.autotp_size:
+        raise DSCompileConfigError(
+            "mpu", f"its tensor-parallel group has {groups.tp_size} ranks, tensor_parallel.autotp_size is {section.autotp_size}", "make them agree"
         )
     return cfg, None

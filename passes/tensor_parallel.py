@@ -666,7 +666,7 @@ def _arg(node: fx.Node, position: int, name: str, default: Any) -> Any:
     return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
+def _attr(gm: nn.Module, target: str) -> Any:
     value: Any = gm
     for part in target.split("."):
         value = getattr(value, part)
@@ -1022,12 +1022,6 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
 # ---------------------------------------------------------------------------------------------
 # the engine's part
 # ---------------------------------------------------------------------------------------------
-def _parameter_or_buffer(model: nn.Module, name: str) -> torch.Tensor:
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    return getattr(module, leaf)
-
-
 class TensorParallelModule(nn.Module):
     """What the engine runs: at the first batch, capture and split the model; then the split graph.
 
@@ -1068,7 +1062,7 @@ class TensorParallelModule(nn.Module):
         each rank then keeps the very slices (same tensors) the optimizer steps."""
         assert self.plan is not None
         specs = self.plan.slices
-        tensors = {name: _parameter_or_buffer(self.model, name) for name in specs}
+        tensors = {name: _attr(self.model, name) for name in specs}
         with self._whole_parameters():
             held = {name: t.data for name, t in tensors.items()}
             try:

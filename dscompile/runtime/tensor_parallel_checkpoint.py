@@ -84,7 +84,8 @@ def _map_optimizer(
 
 def full_state(reader: CheckpointReader, engine: Any | None) -> FullState:
     """The whole model's state from a TP checkpoint: every TP rank's state, its slices joined."""
-    meta = reader.load(tp_file_name(0))["tensor_parallel"]
+    first_file = reader.load(tp_file_name(0))
+    meta, zero = first_file["tensor_parallel"], first_file.get("zero")
     tp = int(meta["tp_size"])
     ranks = [_rank_state(reader, r, engine) for r in range(tp)]
     first = ranks[0]
@@ -99,7 +100,6 @@ def full_state(reader: CheckpointReader, engine: Any | None) -> FullState:
             return None
         return specs[name].assemble([r.optimizer[name][key].reshape(shape) for r in ranks]).reshape(-1)  # type: ignore[index]
 
-    zero = reader.load(tp_file_name(0)).get("zero")
     under = f", ZeRO-{zero['stage']} over {zero['world_size']} rank(s) each" if zero else ""
     return dataclasses.replace(
         first,
