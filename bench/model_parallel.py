@@ -33,6 +33,7 @@ three runs of 4-6 steps; one run under heavy load showed 201 ms, not reproduced)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -76,6 +77,27 @@ def _dtensor_model(model: Any, tp: int) -> Any:
     return model
 
 
+def _deepspeed_autotp_model(model: Any, tp: int, lr: float, batch: int) -> Any:
+    """DeepSpeed's AutoTP training (``tensor_parallel.autotp_size``) with the same split named by
+    ``partition_config.layer_specs``; AutoTP divides the attention's ``n_heads`` itself, not ``n_kv_heads``."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for block in model.blocks:
+        block.attn.n_kv_heads //= tp
+    specs = [
+        {"patterns": [r".*\.(wq|wk|wv|w_gate|w_up)\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.(wo|w_down)\.weight$"], "partition_type": "row"},
+    ]
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": specs}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
 def run_variant(rank: int, world: int, variant: str, sizes: dict[str, int], steps: int) -> dict[str, Any]:
     import torch
 
@@ -95,6 +117,17 @@ def run_variant(rank: int, world: int, variant: str, sizes: dict[str, int], step
             engine.backward(loss)
             engine.step()
             return float(loss.detach())
+    elif variant == "deepspeed autotp":
+        model = _deepspeed_autotp_model(model, world, lr, sizes["batch_size"])
+        engine = model
+
+        def step(batch: tuple) -> float:
+            loss = engine(*batch)
+            engine.backward(loss)
+            engine.step()
+            return float(loss.detach())
+
+        model = engine.module
     else:
         model = _dtensor_model(model, world)
         run = torch.compile(model) if variant == "dtensor compiled" else model
@@ -146,7 +179,8 @@ def main() -> None:
     }  # fmt: skip
 
     def run_peer(variant: str, round_index: int) -> dict[str, Any]:
-        results = run_distributed(run_variant, 2, variant, sizes, args.steps, timeout=900)
+        env = {"DS_ACCELERATOR": "cpu"} if variant.startswith("deepspeed") else None
+        results = run_distributed(run_variant, 2, variant, sizes, args.steps, timeout=900, env=env)
         row = {
             "ms": max(r["ms"] for r in results),
             "held": max(r["held"] for r in results),
@@ -157,7 +191,12 @@ def main() -> None:
         print(f"[round {round_index + 1}] {variant}: {row['ms']:.1f} ms/step", flush=True)
         return row
 
-    runs = alternate(("dscompile", "dscompile vocab", "dtensor eager", "dtensor compiled"), args.rounds, run_peer)
+    variants = ["dscompile", "dscompile vocab", "dtensor eager", "dtensor compiled"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        variants.append("deepspeed autotp")
+    else:
+        print("DeepSpeed is not installed: its AutoTP training is left out (pip install deepspeed)")
+    runs = alternate(tuple(variants), args.rounds, run_peer)
     base = runs["dtensor compiled"]
     print(f"TP=2 on gloo, zoo llama {sizes}; {args.rounds} round(s), variants alternated, medians; ratio: median of per-round ratios [min-max]")
     print(f"{'variant':18} {'step ms':>9} {'spread':>7} {'x dt-comp':>20} {'param MiB/rank':>15} {'vs ideal':>9} {'peak+ MiB':>10} {'last loss':>10}")

@@ -23,6 +23,10 @@ ops, softmax over another dimension, batched matmuls, SDPA, rotary halves, GQA's
   that repeats KV heads for query heads, is sized one head; the repeats become ``H/T``), the k/v weights
   are read through ``tp_sum_replicas`` (the ``T/K`` ranks sharing a head sum its gradient) and their
   slices record the sharing (``SliceSpec.replicas``: one copy assembled, counted once in norms),
+- a fused projection that the graph slices into parts of unequal sizes (Phi-3's ``qkv_proj`` under GQA) has
+  each part split (``SliceSpec.sections``), and its slices moved to this rank's parts,
+- a whole value with a gradient that the split ops read (Qwen3's per-head ``q_norm``/``k_norm`` weights, after
+  reductions over the head's own features) is read through ``tp_copy``: each rank's gradient is its heads' part,
 - ``tp_copy`` (identity forward, all-reduce of the gradient backward) goes before the block and
   ``tp_reduce`` (all-reduce forward) after the row-parallel linear: functional-collective nodes once
   the graph is compiled,
@@ -70,7 +74,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from dscompile.config import parse_dataclass, register_section
+from dscompile.config import parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, process_groups_for
@@ -102,12 +106,34 @@ SECTION = "tensor_parallel"
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class LayerSpec:
+    """DeepSpeed's ``TPLayerSpec``. The graph decides the split; a spec overrides which blocks split (``skip``,
+    ``use_default_specs``), and what it states (role, ``shape`` of a fused weight's parts, ``partition_dim``,
+    ``grad_allreduce``) is checked against what the graph shows: a disagreement is an error naming the pattern."""
+
     patterns: list[str] = field(default_factory=list)
     partition_type: str = "column"
+    shape: list[Any] | None = None  # a fused weight's parts along partition_dim: [3, -1] equal parts, [[q, k, v], -1] unequal
+    partition_dim: int | None = None  # default: 0 for column, 1 for row (an nn.Linear weight)
+    model_types: list[str] | None = None  # the spec applies only to models whose config.model_type is listed
+    gather_output: bool = unbuilt(False, "a column-parallel linear with gathered output (split an LM head with vocab_parallel_lm_head)")
+    grad_allreduce: bool = False  # skip specs: a replicated weight whose gradient each rank computes a part of (summed over TP)
 
     def validate(self, path: str) -> None:
         if self.partition_type not in ("column", "row", "skip"):
             raise DSCompileConfigError(f"{path}.partition_type", f"{self.partition_type!r} is not a partition type", "use column, row or skip")
+        if self.grad_allreduce and self.partition_type != "skip":
+            raise DSCompileConfigError(f"{path}.grad_allreduce", "applies to skip specs only (a split weight's gradient is already its own)", "remove it")
+        if self.shape is not None:
+            if len(self.shape) != 2:
+                raise DSCompileNotSupportedError(f"{path}.shape", f"views of a weight as {len(self.shape)}-D sub-parameters (shape {self.shape})")
+            dim = self.partition_dim if self.partition_dim is not None else (0 if self.partition_type == "column" else 1)
+            parts = self.shape[dim] if 0 <= dim < 2 else None
+            whole = self.shape[1 - dim] if 0 <= dim < 2 else None
+            if whole != -1 or not (
+                (isinstance(parts, int) and parts > 0) or (isinstance(parts, list) and parts and all(isinstance(x, int) and x > 0 for x in parts))
+            ):
+                fix = "give the parts at partition_dim (a count, or a list of sizes) and -1 at the other dim"
+                raise DSCompileConfigError(f"{path}.shape", f"{self.shape} with partition_dim {dim}", fix)
         for pattern in self.patterns:
             try:
                 re.compile(pattern)
@@ -134,7 +160,6 @@ class TensorParallelConfig:
 
 
 _REFUSED_WHEN_SET = {
-    "vocab_parallel_ce_backend": "a vocabulary-parallel cross-entropy",
     "injection_policy_tuple": "DeepSpeed's injection policies (the pass finds the blocks from the graph)",
     "preset_model": "DeepSpeed's per-architecture presets (the pass finds the blocks from the graph)",
     "keep_module_on_host": "keeping the partitioned module on the host",
@@ -147,6 +172,8 @@ def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
     if not isinstance(value, Mapping):
         raise DSCompileConfigError(path, f"expected a JSON object, got {type(value).__name__}")
     section = dict(value)
+    if section.pop("vocab_parallel_ce_backend", "torch") not in ("torch", None):  # DeepSpeed's default is this pass's own (torch ops)
+        raise DSCompileNotSupportedError(f"{path}.vocab_parallel_ce_backend", "a vocabulary-parallel cross-entropy other than torch's (liger)")
     for key, capability in _REFUSED_WHEN_SET.items():
         if section.pop(key, None) not in (None, False, "", [], {}):
             raise DSCompileNotSupportedError(f"{path}.{key}", capability)
@@ -221,6 +248,8 @@ class Block:
     kv: set[fx.Node] = field(default_factory=set)  # then: the block's KV-side nodes (one head per rank)
     repeats: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # then: where KV heads are repeated, and how often
     replicated_states: set[str] = field(default_factory=set)  # then: the buffers written from the KV side (a KV cache)
+    sections: dict[fx.Node, dict[fx.Node, tuple[int, int]]] = field(default_factory=dict)  # column -> its feature slices -> [start, end)
+    summed: set[str] = field(default_factory=set)  # once rewritten: whole parameters it reads whose gradient is summed over TP
 
 
 @dataclass
@@ -289,6 +318,8 @@ _POINTWISE = {
     aten.rsqrt.default, aten.exp.default, aten.erf.default,
 }  # fmt: skip
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# reductions over listed dims (Qwen3's RMSNorm of each head over its head_dim): whole on the slice if the sliced dim is not one of them
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction}
 
 
 def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, heads_of_one: bool = False) -> tuple[int, bool]:
@@ -344,6 +375,7 @@ class _Propagator:
         self.writers: dict[str, fx.Node] = {}  # such a buffer -> the node writing it
         self.conversions: dict[fx.Node, list[fx.Node]] = {}  # op turning KV heads into query heads -> its KV-side inputs
         self.repeats: dict[fx.Node, tuple[int, int]] = {}  # node -> (its repeat count's place: -1 the argument, else a size's; the count)
+        self.sections: dict[fx.Node, dict[fx.Node, tuple[int, int]]] = {}  # column -> its slices along the features -> [start, end)
 
     def seed(self, column: fx.Node) -> None:
         shape = _shape(column)
@@ -426,12 +458,24 @@ class _Propagator:
             if dim == self.sharded[parts[0]]:
                 raise _Unsplittable(f"{target} along the sliced dimension")
             self.sharded[node] = self.sharded[parts[0]]
+        elif target is aten.slice.Tensor and (node.args[1] if len(node.args) > 1 else 0) % len(in_shape) == d:  # type: ignore[operator]
+            self._note_section(node, src, d, in_shape)
+            self.sharded[node] = d
         elif target in (aten.slice.Tensor, aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
             dim = node.args[1] if len(node.args) > 1 else 0
             dim = dim % len(out_shape)  # type: ignore[operator]
             if dim == d:
                 raise _Unsplittable(f"{target} along the sliced dimension")
             self.sharded[node] = d
+        elif target in _REDUCTIONS:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if not dims:
+                raise _Unsplittable(f"{node.name} ({target}) reduces every dimension")
+            dims = [x % len(in_shape) for x in ([dims] if isinstance(dims, int) else dims)]  # type: ignore[union-attr]
+            if d in dims:
+                raise _Unsplittable(f"{target} along the sliced dimension")
+            keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            self.sharded[node] = d if keepdim else d - sum(1 for x in dims if x < d)
         elif target in _POINTWISE:
             outs = set()
             for a in node.all_input_nodes:
@@ -483,6 +527,24 @@ class _Propagator:
 
     def _inherit(self, node: fx.Node, src: fx.Node) -> None:
         pass
+
+    def _note_section(self, node: fx.Node, src: fx.Node, d: int, in_shape: tuple[int, ...]) -> None:
+        """A fused projection cut into parts by slices of its features (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q+kv]``, ...):
+        each part is split on its own, so the parts may differ in size (GQA's q against k and v)."""
+        column = self.origin.get(src)
+        if column is None or self.blocks[column] != 1:
+            raise _Unsplittable("a slice along the sliced dimension of something other than a projection's features")
+        if any(u.target is not aten.slice.Tensor or (u.args[1] if len(u.args) > 1 else 0) % len(in_shape) != d for u in src.users):  # type: ignore[operator]
+            raise _Unsplittable(f"{src.name} is read both whole and by slices of its features")
+        step = node.args[4] if len(node.args) > 4 else 1
+        if step != 1:
+            raise _Unsplittable("a strided slice along the sliced dimension")
+        size = in_shape[d]
+        start, end = (node.args[2] if len(node.args) > 2 else 0), (node.args[3] if len(node.args) > 3 else size)
+        if not isinstance(start, int) or not isinstance(end, int):
+            raise _Unsplittable(f"{node.name} slices the features at symbolic bounds")
+        start, end = (min(max(b + size if b < 0 else b, 0), size) for b in (start, end))
+        self.sections.setdefault(column, {})[node] = (start, end)
 
     def _note_repeat_kv(self, node: fx.Node, src: fx.Node, d: int, out: int, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> None:
         """Hugging Face's ``repeat_kv``: ``expand`` a size-one dim after the KV heads to ``n_rep``, then a view merging
@@ -585,6 +647,11 @@ def _analyse(prop: _Propagator, columns: list[Linear], row: Linear, region: list
         prop.seed(c.node)
     for n in region:
         prop.visit(n)
+    for column, cuts in prop.sections.items():
+        bounds = sorted(set(cuts.values()))
+        size = _shape(column)[-1]  # type: ignore[index]
+        if bounds[0][0] != 0 or bounds[-1][1] != size or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+            raise _Unsplittable(f"the slices of {column.name}'s features {bounds} do not cut it into parts")
     if row.input not in prop.sharded:
         raise _Unsplittable("its input does not come from the feeding linears")
     last = _shape(row.input)
@@ -628,6 +695,8 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
                     raise _Unsplittable(f"{n.name} is also used outside the block ({', '.join(outside)})")
             units = _units(prop)
             replicas, kv, why = _replicated_kv(prop, units, tp)
+            if prop.sections and (replicas > 1 or units % tp):
+                raise _Unsplittable(f"a projection fused of parts of unequal sizes whose {units} units TP={tp} does not divide")
             if replicas > 1:
                 log.info("tensor_parallel: %s: %d KV heads on TP=%d, each held by %d ranks with their query heads", row.weight, tp // replicas, tp, replicas)
             elif units % tp:
@@ -635,7 +704,7 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
                 log.info("tensor_parallel: %s splits %d units (heads or hidden units) over TP=%d, padded with zeros to %d", row.weight, units, tp, padded)
                 if why:
                     log.info("tensor_parallel: %s: KV heads not replicated: %s", row.weight, why)
-            block = Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units, prop.states)
+            block = Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units, prop.states, sections=prop.sections)
             if replicas > 1:
                 block.replicas, block.kv, block.repeats = replicas, kv, prop.repeats
                 block.replicated_states = {name for name, writer in prop.writers.items() if writer in kv}
@@ -769,19 +838,59 @@ def rewrite_vocab_heads(gm: fx.GraphModule, heads: list[VocabHead], group: Any, 
 # ---------------------------------------------------------------------------------------------
 # layer_specs
 # ---------------------------------------------------------------------------------------------
-def _spec_for(name: str, specs: list[LayerSpec]) -> tuple[str, str] | None:
+def _matching_spec(name: str, specs: list[LayerSpec], model_type: str | None = None) -> tuple[LayerSpec, str] | None:
+    """The first spec (for this model type) with a pattern that matches ``name``, and that pattern."""
     for spec in specs:
+        if spec.model_types is not None and model_type not in spec.model_types:
+            continue
         for pattern in spec.patterns:
             if re.search(pattern, name):
-                return spec.partition_type, pattern
+                return spec, pattern
     return None
 
 
-def apply_layer_specs(blocks: list[Block], whole: list[dict[str, Any]], pc: PartitionConfig, weights: list[str]) -> list[Block]:
+def _spec_for(name: str, specs: list[LayerSpec], model_type: str | None = None) -> tuple[str, str] | None:
+    hit = _matching_spec(name, specs, model_type)
+    return (hit[0].partition_type, hit[1]) if hit is not None else None
+
+
+def check_layer_specs(plan_slices: dict[str, SliceSpec], summed: set[str], pc: PartitionConfig, weights: list[str], model_type: str | None) -> None:
+    """What a spec states beyond the role (a fused weight's parts, the split dim, a summed gradient) against the split made."""
+    for name in weights:
+        hit = _matching_spec(name, pc.layer_specs, model_type)
+        if hit is None:
+            continue
+        spec, pattern = hit
+        key = "tensor_parallel.partition_config.layer_specs"
+        sliced = plan_slices.get(name)
+        if spec.grad_allreduce and name not in summed:
+            raise DSCompileConfigError(
+                key, f"pattern {pattern!r} asks to sum {name}'s gradient over TP, but from the graph every rank computes all of it", "remove grad_allreduce"
+            )
+        if sliced is None or spec.partition_type == "skip":
+            continue
+        if spec.partition_dim is not None and spec.partition_dim != sliced.dim:
+            what = f"pattern {pattern!r} splits {name} along dim {spec.partition_dim}, the graph along dim {sliced.dim}"
+            raise DSCompileConfigError(key, what, "fix partition_dim")
+        if spec.shape is not None:
+            parts = spec.shape[sliced.dim]
+            found = list(sliced.sections) if sliced.sections else sliced.blocks
+            if isinstance(parts, int):  # equal parts
+                agrees = parts == (len(sliced.sections) if sliced.sections and len(set(sliced.sections)) == 1 else sliced.blocks if not sliced.sections else -1)
+            else:
+                agrees = parts == found or (not sliced.sections and len(set(parts)) == 1 and len(parts) == sliced.blocks)
+            if not agrees:
+                what = f"pattern {pattern!r} gives {name} the parts {parts}, the graph splits it as {found} part(s)"
+                raise DSCompileConfigError(key, what, "fix shape, or drop it: the graph finds the parts")
+
+
+def apply_layer_specs(
+    blocks: list[Block], whole: list[dict[str, Any]], pc: PartitionConfig, weights: list[str], model_type: str | None = None
+) -> list[Block]:
     """Keep the blocks that ``layer_specs`` allow; an impossible override is an error naming its pattern."""
     roles = {c.weight: "column" for b in blocks for c in b.columns} | {b.row.weight: "row" for b in blocks}
     for name in weights:
-        hit = _spec_for(name, pc.layer_specs)
+        hit = _spec_for(name, pc.layer_specs, model_type)
         if hit is None or hit[0] == "skip":
             continue
         kind, pattern = hit
@@ -795,7 +904,7 @@ def apply_layer_specs(blocks: list[Block], whole: list[dict[str, Any]], pc: Part
     kept = []
     for b in blocks:
         names = [c.weight for c in b.columns] + [b.row.weight]
-        hits = [_spec_for(n, pc.layer_specs) for n in names]
+        hits = [_spec_for(n, pc.layer_specs, model_type) for n in names]
         if any(h is not None and h[0] == "skip" for h in hits):
             whole.append({"row": b.row.weight, "columns": names[:-1], "reason": "layer_specs: skip"})
         elif not pc.use_default_specs and any(h is None for h in hits):
@@ -828,6 +937,7 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
     slices: dict[str, SliceSpec] = {}
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    trainable = _trainable_values(gm)
     for index, b in enumerate(blocks):
         padded = b.units % tp != 0 and b.replicas == 1
         held = padded_units(b.units, tp)
@@ -845,12 +955,15 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
         copied.meta.setdefault("dscompile", {})["shard"] = "tp_copy"
         for c in b.columns:
             c.node.replace_input_with(x, copied)
+        _sum_whole_gradients(graph, b, trainable, group)
+        for c in b.columns:
             parts = b.blocks[c.node]
             units = b.units if padded else 0
             replicas = b.replicas if c.node in b.kv else 1
-            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts, units=units, replicas=replicas)
+            sections = _cut_sections(b.sections.get(c.node, {}), tp)
+            slices[c.weight] = SliceSpec(dim=1 if c.transposed else 0, blocks=parts, units=units, replicas=replicas, sections=sections)
             if c.bias is not None:
-                slices[c.bias] = SliceSpec(dim=0, blocks=parts, units=units, replicas=replicas)
+                slices[c.bias] = SliceSpec(dim=0, blocks=parts, units=units, replicas=replicas, sections=sections)
             if replicas > 1:
                 _sum_replica_gradients(graph, c, group, rank // replicas, tp // replicas)
         for node, (pos, size) in b.rewrites.items():
@@ -899,6 +1012,58 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
     graph.lint()
     gm.recompile()
     return slices
+
+
+def _cut_sections(cuts: dict[fx.Node, tuple[int, int]], tp: int) -> tuple[int, ...]:
+    """The fused parts' sizes, and each slice of the features moved to this rank's parts (each part split in TP)."""
+    bounds = sorted(set(cuts.values()))
+    for node, cut in cuts.items():
+        i = bounds.index(cut)
+        start = sum(b - a for a, b in bounds[:i]) // tp
+        node.args = (node.args[0], node.args[1], start, start + (cut[1] - cut[0]) // tp, *node.args[4:])
+    return tuple(b - a for a, b in bounds)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _trainable_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value depends on a trainable parameter (so a gradient flows back through them)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attr(gm, str(node.target))
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _sum_whole_gradients(graph: fx.Graph, b: Block, trainable: set[fx.Node], group: Any) -> None:
+    """A whole value the block's sliced ops read and that carries a gradient (Qwen3's per-head norm weights, the
+    block input read elsewhere than by its linears) gets on each rank only its heads' part of the gradient: it is
+    read through ``tp_copy``, whose backward sums the parts over the TP group."""
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in b.region:
+        for value in node.all_input_nodes:
+            if value in b.sharded or value not in trainable or getattr(value, "target", None) is tp_copy:
+                continue
+            if value not in copies:
+                b.summed |= {str(p.target) for p in _ancestors(value) if p.op == "get_attr" and p in trainable}
+                with graph.inserting_after(value):
+                    copies[value] = graph.call_function(tp_copy, (value, group))
+                copies[value].meta["val"] = value.meta.get("val")
+                copies[value].meta.setdefault("dscompile", {})["shard"] = "tp_copy"
+            node.replace_input_with(value, copies[value])
 
 
 def _sum_replica_gradients(graph: fx.Graph, column: Linear, group: Any, slot: int, slots: int) -> None:
@@ -994,7 +1159,8 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
     gm = capture(model, args, kwargs)
     blocks, whole = find_blocks(gm, tp)
     weights = [n for n, _ in model.named_parameters()]
-    blocks = apply_layer_specs(blocks, whole, tc.partition_config, weights)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    blocks = apply_layer_specs(blocks, whole, tc.partition_config, weights, model_type)
     if not blocks:
         reasons = "; ".join(f"{w['row']}: {w['reason']}" for w in whole) or "no linear adds to a residual stream"
         raise DSCompileConfigError(
@@ -1007,12 +1173,14 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
     plan.slices = rewrite(gm, blocks, group_name, tp, groups.tp_rank)
     plan.split = [split_entry(b, tp) for b in blocks]
     plan.replicated = whole
+    canonical: dict[int, str] = {}
+    for name, p in model.named_parameters():  # tied weights: the name the model lists first
+        canonical.setdefault(id(p), name)
+    names = {target: canonical[id(p)] for target, p in gm.named_parameters(remove_duplicate=False) if id(p) in canonical}
+    summed = {names.get(target, target) for b in blocks for target in b.summed}
+    check_layer_specs(plan.slices, summed, tc.partition_config, weights, model_type)
     if tc.vocab_parallel_lm_head:
         heads, plan.vocab_replicated = find_vocab_heads(gm)
-        canonical: dict[int, str] = {}
-        for name, p in model.named_parameters():  # tied weights: the name the model lists first
-            canonical.setdefault(id(p), name)
-        names = {target: canonical[id(p)] for target, p in gm.named_parameters(remove_duplicate=False)}
         plan.slices |= rewrite_vocab_heads(gm, heads, group_name, tp, groups.tp_rank, names)
         plan.vocab = [{"weight": names.get(str(h.linear.node.args[1].target)), "vocab": h.vocab, "embeddings": len(h.embeddings)} for h in heads]
     partition_parameters(model, plan.slices, groups.tp_rank, tp)

@@ -7,6 +7,11 @@ fail on that object, and tensor parallelism left every attention block after the
 capture turns the cache off (``past_key_values`` comes back None), every block splits, the LM head splits by
 vocabulary (the loss reads each rank's columns; the returned logits are gathered), and the loss, the returned
 logits and the update equal the model's on one process.
+
+Qwen3 normalises each query and key head (``q_norm``/``k_norm``, a mean over the head's features): its attention
+splits too, and the norm weights, which each rank applies to its own heads only, get their gradient summed
+over the TP group (each rank's is a part of it). Phi-3 projects q, k and v with one ``qkv_proj`` whose parts differ
+in size under GQA and slices them apart: each part is split on its own (``SliceSpec.sections``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,18 @@ def _model(arch: str) -> torch.nn.Module:
     if arch == "gpt2":
         config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
         return transformers.GPT2LMHeadModel(config)
+    if arch == "qwen3":  # RMSNorm on each query and key head (q_norm, k_norm): weights shared by every rank's heads
+        config = transformers.Qwen3Config(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=50,
+            max_position_embeddings=16,
+        )
+        return transformers.Qwen3ForCausalLM(config)
+    if arch == "phi3":  # one fused qkv_proj of unequal parts under GQA (32 query, 16 key, 16 value features), sliced apart
+        config = transformers.Phi3Config(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, vocab_size=50,
+            max_position_embeddings=16, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        )
+        return transformers.Phi3ForCausalLM(config)
     config = transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, vocab_size=50, max_position_embeddings=16
     )
@@ -41,7 +58,10 @@ RUNS = [  # (arch, parallelism, lowering)
     ("llama", "tensor_parallel", "eager"),
     ("gpt2", "sequence_parallel", "eager"),
     ("llama", "sequence_parallel", "eager"),
+    ("phi3", "tensor_parallel", "eager"),
 ]
+if hasattr(transformers, "Qwen3Config"):  # transformers >= 4.51
+    RUNS.append(("qwen3", "tensor_parallel", "eager"))
 
 
 def _train_step(rank: int, world: int) -> dict[str, Any]:

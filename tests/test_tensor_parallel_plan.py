@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dscompile.config import load_config
-from dscompile.errors import DSCompileConfigError
-from dscompile.passes.tensor_parallel import LayerSpec, PartitionConfig, apply_layer_specs, capture, find_blocks
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.passes.tensor_parallel import LayerSpec, PartitionConfig, apply_layer_specs, capture, check_layer_specs, find_blocks
 from dscompile.runtime.process_groups import ParallelLayout
 from dscompile.runtime.tensor_parallel import SliceSpec
 from dscompile.zoo import build, make_batch
@@ -21,12 +21,45 @@ def test_config_section() -> None:
     tc = load_config({"tensor_parallel": {"autotp_size": 2}}).sections["tensor_parallel"]
     assert tc.enabled and tc.autotp_size == 2
     assert load_config({"tensor_parallel": {"tp": {"tp_size": 4}}}).sections["tensor_parallel"].autotp_size == 4
+    assert load_config({"tensor_parallel": {"autotp_size": 2, "vocab_parallel_ce_backend": "torch"}}).sections["tensor_parallel"].enabled  # DeepSpeed's default
     assert not load_config({"tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1, "tp_grain_size": 1}}}).sections["tensor_parallel"].enabled
     with pytest.raises(DSCompileConfigError, match="contradicts"):
         load_config({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}})
     with pytest.raises(DSCompileConfigError) as info:
         load_config({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}}})
     assert info.value.key.endswith("partition_type")
+
+
+def _specs(*specs: dict) -> PartitionConfig:
+    section = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": list(specs)}}
+    return load_config({"tensor_parallel": section}).sections["tensor_parallel"].partition_config
+
+
+def test_deepspeed_layer_spec_fields_are_checked_against_the_split() -> None:
+    """DeepSpeed 0.19's TPLayerSpec fields load; what they state must agree with the split the graph made."""
+    qkv = {"patterns": [r".*qkv_proj\.weight$"], "partition_type": "column", "shape": [[4, 2, 2], -1], "partition_dim": 0}
+    norm = {"patterns": [r".*q_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True}
+    pc = _specs(qkv, norm, {"patterns": ["o_proj"], "partition_type": "row", "model_types": ["phi3"]})
+    slices = {"qkv_proj.weight": SliceSpec(dim=0, sections=(4, 2, 2)), "o_proj.weight": SliceSpec(dim=1)}
+    check_layer_specs(slices, {"q_norm.weight"}, pc, ["qkv_proj.weight", "q_norm.weight", "o_proj.weight"], "phi3")
+    with pytest.raises(DSCompileConfigError, match="parts"):  # the graph cut it in three equal parts
+        check_layer_specs({"qkv_proj.weight": SliceSpec(dim=0, blocks=3)}, set(), pc, ["qkv_proj.weight"], None)
+    assert check_layer_specs({"qkv_proj.weight": SliceSpec(dim=0, blocks=3)}, set(), _specs({**qkv, "shape": [3, -1]}), ["qkv_proj.weight"], None) is None
+    with pytest.raises(DSCompileConfigError, match="every rank computes all of it"):
+        check_layer_specs({}, set(), pc, ["q_norm.weight"], None)
+    with pytest.raises(DSCompileConfigError, match="along dim 1"):
+        check_layer_specs({"qkv_proj.weight": SliceSpec(dim=0)}, set(), _specs({**qkv, "shape": None, "partition_dim": 1}), ["qkv_proj.weight"], None)
+    # model_types: a spec for another model does not apply
+    assert apply_layer_specs([], [], _specs({"patterns": ["w"], "partition_type": "row", "model_types": ["llama"]}), ["w"], "gpt2") == []
+    with pytest.raises(DSCompileConfigError, match="row-parallel"):
+        apply_layer_specs([], [], _specs({"patterns": ["w"], "partition_type": "row", "model_types": ["llama"]}), ["w"], "llama")
+    with pytest.raises(DSCompileNotSupportedError) as info:
+        _specs({"patterns": ["lm_head"], "gather_output": True})
+    assert info.value.key.endswith("gather_output")
+    with pytest.raises(DSCompileNotSupportedError):
+        _specs({"patterns": ["w1"], "shape": [8, -1, 16], "partition_dim": 1})  # MoE's 3-D view
+    with pytest.raises(DSCompileConfigError, match="skip specs only"):
+        _specs({"patterns": ["w"], "partition_type": "column", "grad_allreduce": True})
 
 
 def test_layout_is_megatron_order() -> None:
@@ -46,6 +79,16 @@ def test_fused_slices_round_trip() -> None:
     parts = [spec.take(full, r, 2) for r in range(2)]
     assert parts[0][:, 0].tolist() == [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]
     assert torch.equal(spec.assemble(parts), full)
+
+
+def test_unequal_fused_parts_round_trip() -> None:
+    full = torch.arange(8.0).reshape(8, 1)  # a fused q (4 rows), k (2) and v (2) under GQA, on TP=2
+    spec = SliceSpec(dim=0, sections=(4, 2, 2))
+    parts = [spec.take(full, r, 2) for r in range(2)]
+    assert parts[0][:, 0].tolist() == [0, 1, 4, 6] and parts[1][:, 0].tolist() == [2, 3, 5, 7]  # each rank: half of q, of k, of v
+    assert torch.equal(spec.assemble(parts), full)
+    assert SliceSpec.from_dict(spec.to_dict()) == spec  # as checkpoint metadata keeps it
+    assert SliceSpec.from_dict({"dim": 1, "blocks": 3}) == SliceSpec(dim=1, blocks=3)  # files written before the newer fields
 
 
 def _blocks(name: str, tp: int, **overrides):

@@ -203,8 +203,19 @@ class SliceSpec:
     blocks: int = 1
     units: int = 0
     replicas: int = 1
+    sections: tuple[int, ...] = ()  # a fused projection of unequal parts (Phi-3's q, k, v under GQA): their sizes, each split
+
+    def to_dict(self) -> dict[str, Any]:
+        """As checkpoint metadata stores it (``from_dict`` reads it back, older files without the newer fields too)."""
+        return {"dim": self.dim, "blocks": self.blocks, "units": self.units, "replicas": self.replicas, "sections": list(self.sections)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SliceSpec:
+        return cls(d["dim"], d.get("blocks", 1), d.get("units", 0), d.get("replicas", 1), tuple(d.get("sections", ())))
 
     def take(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        if self.sections:
+            return torch.cat([part.chunk(world, dim=self.dim)[rank] for part in full.split(list(self.sections), dim=self.dim)], dim=self.dim)
         if self.replicas > 1:
             return dataclasses.replace(self, replicas=1).take(full, rank // self.replicas, world // self.replicas)
         pieces = full.chunk(self.blocks, dim=self.dim)
@@ -222,9 +233,13 @@ class SliceSpec:
 
     def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's slice (rank order), padding dropped (and copies, for replicas)."""
+        world = len(slices)
+        if self.sections:
+            local = [size // world for size in self.sections]
+            per_rank = [s.split(local, dim=self.dim) for s in slices]
+            return torch.cat([torch.cat([r[i] for r in per_rank], dim=self.dim) for i in range(len(local))], dim=self.dim)
         if self.replicas > 1:
             return dataclasses.replace(self, replicas=1).assemble(slices[:: self.replicas])
-        world = len(slices)
         per_rank = [s.chunk(self.blocks, dim=self.dim) for s in slices]
         if self.units:
             unit = per_rank[0][0].shape[self.dim] // padded_units(self.units, world)
@@ -409,7 +424,7 @@ def slicing_metadata(groups: ProcessGroups, specs: dict[str, SliceSpec]) -> dict
     return {
         "tp_size": groups.tp_size,
         "tp_rank": groups.tp_rank,
-        "slices": {n: {"dim": sp.dim, "blocks": sp.blocks, "units": sp.units, "replicas": sp.replicas} for n, sp in specs.items()},
+        "slices": {n: sp.to_dict() for n, sp in specs.items()},
     }
 
 

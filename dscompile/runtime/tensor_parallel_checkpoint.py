@@ -89,7 +89,7 @@ def full_state(reader: CheckpointReader, engine: Any | None) -> FullState:
     tp = int(meta["tp_size"])
     ranks = [_rank_state(reader, r, engine) for r in range(tp)]
     first = ranks[0]
-    saved = {n: SliceSpec(s["dim"], s["blocks"], s.get("units", 0), s.get("replicas", 1)) for n, s in meta["slices"].items()}
+    saved = {n: SliceSpec.from_dict(s) for n, s in meta["slices"].items()}
     specs = _specs_by_every_name({**first.params, **first.module_extra}, saved)
 
     def join(name: str, values: list[torch.Tensor]) -> torch.Tensor:
