@@ -295,9 +295,42 @@ def _adds_to_residual(node: fx.Node) -> bool:
         if user.target in (aten.add.Tensor, operator.add):
             return True
         if user.target not in _PASSTHROUGH:
-            return False
+            return _adds_to_residual_after_norm(node)
         node = user
     return False
+
+
+# what a norm applied to a block's output before the residual add is made of (Gemma2/3's and OLMo2's post-norms)
+_NORM_OPS = _PASSTHROUGH | {
+    aten._to_copy.default, aten.to.dtype, aten.pow.Tensor_Scalar, aten.mean.dim, aten.var_mean.correction, operator.getitem, aten.add.Tensor, aten.add.Scalar,
+    aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.rsqrt.default, aten.sqrt.default, aten.type_as.default,
+}  # fmt: skip
+
+
+def _adds_to_residual_after_norm(node: fx.Node, limit: int = 24) -> bool:
+    """The value is normalised (its every use one of a norm's ops) and then added to the residual stream: an ``add``
+    of the normalised value and a same-shaped tensor that does not come from it. A row-parallel linear's output is
+    all-reduced right after the linear, so the norm sees the whole value."""
+    shape = _shape(node)
+    derived = {node}
+    frontier = [node]
+    residual = None
+    while frontier:
+        for user in frontier.pop().users:
+            if user in derived or user is residual:
+                continue
+            others = [a for a in user.all_input_nodes if a not in derived]
+            same_shape = _shape(user) == shape and len(others) == 1 and _shape(others[0]) == shape
+            if user.target is aten.add.Tensor and same_shape and node not in _ancestors(others[0]):
+                if residual is not None:
+                    return False
+                residual = user
+                continue
+            if user.target not in _NORM_OPS or len(derived) >= limit:
+                return False
+            derived.add(user)
+            frontier.append(user)
+    return residual is not None
 
 
 def _is_empty(node: Any) -> bool:
@@ -467,6 +500,23 @@ class _Propagator:
             if dim == d:
                 raise _Unsplittable(f"{target} along the sliced dimension")
             self.sharded[node] = d
+        elif target is aten.select.int:  # Bloom's q/k/v picked from each head's fused [3, head_dim]
+            dim = node.args[1] % len(in_shape)  # type: ignore[operator]
+            if dim == d:
+                raise _Unsplittable(f"{target} along the sliced dimension")
+            self.sharded[node] = d if dim > d else d - 1
+        elif target is aten.stack.default:  # GPT-J's interleaved rotary: stack([-x2, x1], dim=-1)
+            parts = node.args[0]
+            if any(a not in self.sharded for a in parts) or len({self.sharded[a] for a in parts}) != 1:  # type: ignore[union-attr]
+                raise _Unsplittable("stack of tensors not all sliced alike")
+            dim = (node.args[1] if len(node.args) > 1 else 0) % len(out_shape)  # type: ignore[operator]
+            self.sharded[node] = d + 1 if dim <= d else d
+        elif target is aten.flatten.using_ints:  # the rotary pairs merged back (GPT-J, Cohere)
+            start = (node.args[1] if len(node.args) > 1 else 0) % len(in_shape)  # type: ignore[operator]
+            end = (node.args[2] if len(node.args) > 2 else -1) % len(in_shape)  # type: ignore[operator]
+            if start < d <= end:
+                raise _Unsplittable("a flatten merges the sliced dimension under an outer one")
+            self.sharded[node] = d if d <= start else d - (end - start)
         elif target in _REDUCTIONS:
             dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
             if not dims:

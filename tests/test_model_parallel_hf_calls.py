@@ -11,7 +11,8 @@ logits and the update equal the model's on one process.
 Qwen3 normalises each query and key head (``q_norm``/``k_norm``, a mean over the head's features): its attention
 splits too, and the norm weights, which each rank applies to its own heads only, get their gradient summed
 over the TP group (each rank's is a part of it). Phi-3 projects q, k and v with one ``qkv_proj`` whose parts differ
-in size under GQA and slices them apart: each part is split on its own (``SliceSpec.sections``).
+in size under GQA and slices them apart: each part is split on its own (``SliceSpec.sections``). Gemma2 normalises
+each block's output before adding it to the residual stream: the row-parallel output is all-reduced before the norm.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def _model(arch: str) -> torch.nn.Module:
             max_position_embeddings=16, pad_token_id=0, eos_token_id=1, bos_token_id=1,
         )
         return transformers.Phi3ForCausalLM(config)
+    if arch == "gemma2":  # each block's output normalised before the residual add (post-norms), logit soft-capping
+        config = transformers.Gemma2Config(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=50,
+            max_position_embeddings=16, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        )
+        return transformers.Gemma2ForCausalLM(config)
     config = transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, vocab_size=50, max_position_embeddings=16
     )
@@ -59,6 +66,7 @@ RUNS = [  # (arch, parallelism, lowering)
     ("gpt2", "sequence_parallel", "eager"),
     ("llama", "sequence_parallel", "eager"),
     ("phi3", "tensor_parallel", "eager"),
+    ("gemma2", "tensor_parallel", "eager"),
 ]
 if hasattr(transformers, "Qwen3Config"):  # transformers >= 4.51
     RUNS.append(("qwen3", "tensor_parallel", "eager"))

@@ -173,3 +173,28 @@ def test_hugging_face_training_cache_neither_breaks_capture_nor_keeps_blocks_who
     assert any(n.target is torch.ops.aten.cat.default for n in gm.graph.nodes)
     blocks, whole = find_blocks(gm, 2)
     assert len(blocks) == 4 and not whole, whole
+
+
+HF_LAYOUTS = {  # architecture -> (config class, model class, config fields): what each needs the pass to know
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"num_key_value_heads": 2, "head_dim": 8}),  # a norm between each block and its residual add
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 8}),  # that, and per-head q/k norms
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_layer": 2, "n_embd": 32, "n_head": 4, "rotary_dim": 4}),  # interleaved rotary: stack + flatten
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"num_key_value_heads": 2}),  # the same rotary
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_LAYOUTS))
+def test_hugging_face_layouts_split_every_block(arch: str) -> None:
+    """Post-norms, per-head norms and interleaved rotary keep every attention and MLP block splittable
+    (their numerics on 2 ranks: ``test_model_parallel_hf_calls.py`` for Gemma2, Qwen3 and Phi-3)."""
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, fields = HF_LAYOUTS[arch]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    torch.manual_seed(0)
+    common = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 32}
+    config = getattr(transformers, config_name)(**{**common, **fields})
+    model = getattr(transformers, model_name)(config).train()
+    ids = torch.randint(0, 64, (2, 8))
+    blocks, whole = find_blocks(capture(model, (), {"input_ids": ids, "labels": ids}), 2)
+    assert len(blocks) == 4 and not whole, whole
