@@ -1367,6 +1367,15 @@ class TensorParallelModule(nn.Module):
 
     config_key = SECTION  # the key errors name
 
+    def split_graphs(self) -> list[fx.GraphModule]:
+        """The split graphs captured so far (one per batch shape and mode), before their compilation."""
+        out = []
+        for graph in self._graphs.values():
+            graph = getattr(graph, "_orig_mod", graph)  # torch.compile's wrapper
+            if isinstance(graph, fx.GraphModule):
+                out.append(graph)
+        return out
+
     def captures_again(self) -> bool:
         """Each new batch shape or train/eval mode is captured and split anew (from the weights gathered for the
         capture), and wrapped as the first graph was (ZeRO-2/3 run it over their shards)."""
