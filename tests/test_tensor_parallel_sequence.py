@@ -181,3 +181,54 @@ def test_sequence_parallel_key_and_its_refusal_with_pipeline_stages() -> None:
     config = {"pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}
     with pytest.raises(DSCompileConfigError, match="tensor_parallel.sequence_parallel"):
         dscompile.initialize(model=case.model, config=config | {"optimizer": {"type": "SGD", "params": {"lr": LR}}})
+
+
+CLIP = 0.05  # below every step's gradient norm here: the clipping really scales
+
+
+def tp_sp_times_zero(rank: int, world: int) -> dict[str, Any]:
+    """TP=2 with sequence parallelism × DP=2, plain and ZeRO-1/2/3 over the DP group, 7 tokens (padded), clipped SGD:
+    each DP replica trains on its own batch; the parameters must equal one process training on both batches."""
+    import dscompile
+    from dscompile.zoo import build, make_batch
+
+    sizes = {"seq_len": 7, "d_model": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 40}
+    out: dict[str, Any] = {}
+    for zero in (0, 1, 2, 3):
+        case, ref = build("gpt", seed=3, **sizes), build("gpt", seed=3, **sizes)
+        cfg: dict[str, Any] = {"optimizer": {"type": "SGD", "params": {"lr": LR}}, "lower": "eager", "gradient_clipping": CLIP}
+        cfg["tensor_parallel"] = {"autotp_size": 2, "sequence_parallel": True}
+        if zero:
+            cfg["zero_optimization"] = {"stage": zero}
+        engine, *_ = dscompile.initialize(model=case.model, config=cfg)
+        groups = engine.process_groups
+        ref_opt = torch.optim.SGD(ref.model.parameters(), lr=LR)
+        norms = []
+        for step in range(STEPS):
+            batches = [make_batch(case, seed=10 * step + dp) for dp in range(groups.dp_size)]
+            engine.backward(engine(*batches[groups.dp_rank]))
+            engine.step()
+            (sum(ref.model(*b) for b in batches) / len(batches)).backward()
+            norms.append((engine.get_global_grad_norm(), float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), CLIP))))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        full = engine.full_parameters()
+        out[zero] = {
+            "param_err": max(_relative(full[n], p.detach()) for n, p in ref.model.named_parameters()),
+            "norms": norms,
+            "zero_world": engine.zero.world if engine.zero is not None else None,
+            "reduce_scatters": engine.extension("tensor_parallel").plan.sequence_parallel["reduce_scatters"],
+        }
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_backend("gloo")
+def test_sequence_parallel_tp2_times_zero_dp2_on_4_ranks() -> None:
+    for result in run_distributed_or_fail(tp_sp_times_zero, 4, timeout=600):
+        for zero, r in result.items():
+            assert r["zero_world"] == (2 if zero else None) and r["reduce_scatters"] == 2, (zero, r)
+            assert r["param_err"] < 1e-5, (zero, r["param_err"])
+            for norm, ref_norm in r["norms"]:  # the global norm (norm weights' gradients summed in the graph, counted once)
+                assert norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > CLIP, (zero, norm, ref_norm)
