@@ -35,6 +35,13 @@ vectors, no gathered logits) and an embedding tied to it a vocabulary-parallel l
 does not divide is padded with rows the loss leaves out of its softmax. Any other reader of the logits
 (a model that returns them, as Hugging Face's do) reads them gathered (``gather_vocabulary``).
 
+With ``sequence_parallel`` (Megatron's sequence parallelism) the split graph is rewritten once more
+(``shard_sequence``): the residual stream between blocks holds each rank's chunk of the sequence (read from the
+token ids' shape; a length TP does not divide is padded between the blocks), each block's all-reduce becomes a
+reduce-scatter along the sequence and its ``tp_copy`` an all-gather (backward: reduce-scatter), the norms and
+residual adds run on the chunk with the gradients of what they broadcast (norm weights, row-parallel biases)
+summed over the group, and every other reader reads the gathered sequence.
+
 A block the pass cannot split (an op it does not know, a value used outside the block) stays replicated,
 and the reason is logged and kept in the plan (``engine.extension("tensor_parallel").plan``); if no
 block can be split, the engine refuses to start. ``partition_config.layer_specs`` (DeepSpeed's regexes
@@ -941,7 +948,8 @@ def find_sequence(gm: fx.GraphModule, tp: int) -> SequenceLayout:
     if len(found) != 1:
         raise DSCompileConfigError(
             SP_KEY,
-            f"the token ids' sequence length is not found in the graph ({'no embedding reads a [batch, sequence] integer input' if not found else f'embeddings read inputs of shapes {sorted(found)}'})",
+            "the token ids' sequence length is not found in the graph "
+            + ("(no embedding reads a [batch, sequence] integer input)" if not found else f"(embeddings read inputs of shapes {sorted(found)})"),
             "set tensor_parallel.sequence_parallel to false for this model",
         )
     batch, length = found.pop()
@@ -1027,11 +1035,12 @@ class _SequenceSharding:
                 if not self._on_chunk(node):
                     self._read_gathered(node)
         if not self.counts["reduce_scatters"]:
-            raise DSCompileConfigError(SP_KEY, "no split block's output could be scattered along the sequence", "set tensor_parallel.sequence_parallel to false")
+            raise DSCompileConfigError(SP_KEY, "no split block's output could be scattered along the sequence", f"set {SP_KEY} to false")
         self.graph.lint()
         self.gm.recompile()
         padded = self.seq.local * self.tp
-        return {"batch": self.seq.batch, "seq_len": self.seq.length, "padded_to": padded, **self.counts, "gathered_for": self.readers, "gradients_summed": self.summed_names}
+        layout = {"batch": self.seq.batch, "seq_len": self.seq.length, "padded_to": padded}
+        return {**layout, **self.counts, "gathered_for": self.readers, "gradients_summed": self.summed_names}
 
     def _reduce_scatter(self, node: fx.Node) -> None:
         partial = node.args[0]
@@ -1046,7 +1055,7 @@ class _SequenceSharding:
         elif prefix == (s, b):
             dim, batch = 0, 0
         else:
-            raise DSCompileConfigError(SP_KEY, f"a row-parallel output of shape {shape} has no [batch, sequence] prefix ({b}, {s})", "set tensor_parallel.sequence_parallel to false")
+            raise DSCompileConfigError(SP_KEY, f"a row-parallel output of shape {shape} has no [batch, sequence] prefix ({b}, {s})", f"set {SP_KEY} to false")
         scattered = self._insert(node, sp_reduce_scatter, (partial, dim, batch, self.seq.length, self.group, self.tp), node, "sp_reduce_scatter")
         node.replace_all_uses_with(scattered)
         self.graph.erase_node(node)
@@ -1525,7 +1534,8 @@ class TensorParallelExtension(EngineExtension):
         out = {"tp_size": plan.tp_size, "blocks_split": len(plan.split), "blocks_replicated": len(plan.replicated)}
         if plan.sequence_parallel is not None:
             sp = plan.sequence_parallel
-            out |= {"sequence_parallel": True, "sp_reduce_scatters": sp["reduce_scatters"], "sp_all_gathers": sp["all_gathers_before_blocks"] + sp["all_gathers_for_readers"]}
+            gathers = sp["all_gathers_before_blocks"] + sp["all_gathers_for_readers"]
+            out |= {"sequence_parallel": True, "sp_reduce_scatters": sp["reduce_scatters"], "sp_all_gathers": gathers}
         return out
 
 
