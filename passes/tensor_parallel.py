@@ -1017,6 +1017,7 @@ class _SequenceSharding:
         self.counts = {"reduce_scatters": 0, "all_gathers_before_blocks": 0, "all_gathers_for_readers": 0, "scatters": 0, "gradient_sums": 0}
         self.readers: list[str] = []  # the ops that read a gathered sequence (the LM head, the loss, outputs)
         self.summed_names: list[str] = []  # the whole values read on chunks whose gradients are summed over the group
+        self.kept_whole: list[str] = []  # block all-reduces left as they were (an output not laid out [batch, sequence, ...])
 
     def _insert(self, before: fx.Node, fn: Any, args: tuple, val_of: fx.Node, tag: str) -> fx.Node:
         with self.graph.inserting_before(before):
@@ -1040,7 +1041,7 @@ class _SequenceSharding:
         self.gm.recompile()
         padded = self.seq.local * self.tp
         layout = {"batch": self.seq.batch, "seq_len": self.seq.length, "padded_to": padded}
-        return {**layout, **self.counts, "gathered_for": self.readers, "gradients_summed": self.summed_names}
+        return {**layout, **self.counts, "gathered_for": self.readers, "gradients_summed": self.summed_names, "all_reduces_kept": self.kept_whole}
 
     def _reduce_scatter(self, node: fx.Node) -> None:
         partial = node.args[0]
@@ -1054,8 +1055,10 @@ class _SequenceSharding:
             dim, batch = 0, b
         elif prefix == (s, b):
             dim, batch = 0, 0
-        else:
-            raise DSCompileConfigError(SP_KEY, f"a row-parallel output of shape {shape} has no [batch, sequence] prefix ({b}, {s})", f"set {SP_KEY} to false")
+        else:  # not token by token: this block keeps its all-reduce, its output whole
+            log.warning("tensor_parallel: sequence_parallel leaves %s whole: its shape %s has no [batch, sequence] prefix (%d, %d)", node.name, shape, b, s)
+            self.kept_whole.append(node.name)
+            return
         scattered = self._insert(node, sp_reduce_scatter, (partial, dim, batch, self.seq.length, self.group, self.tp), node, "sp_reduce_scatter")
         node.replace_all_uses_with(scattered)
         self.graph.erase_node(node)

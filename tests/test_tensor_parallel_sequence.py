@@ -66,17 +66,19 @@ def _loss(out: Any) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out
 
 
-def _graph_nodes(module: Any) -> dict[str, int]:
-    """How many of each sequence- and tensor-parallel op the split graphs hold."""
+def _graph_nodes(module: Any) -> list[dict[str, int]]:
+    """How many of each sequence- and tensor-parallel op each split graph holds."""
     from dscompile.runtime import tensor_parallel as rt
 
-    counts = {"sp_reduce_scatter": 0, "sp_gather": 0, "sp_scatter": 0, "tp_reduce": 0, "tp_copy": 0}
+    out = []
     for gm in module.split_graphs():
+        counts = dict.fromkeys(("sp_reduce_scatter", "sp_gather", "sp_scatter", "tp_reduce", "tp_copy"), 0)
         for node in gm.graph.nodes:
             for name in counts:
                 if node.op == "call_function" and node.target is getattr(rt, name):
                     counts[name] += 1
-    return counts
+        out.append(counts)
+    return out
 
 
 def _dumped_forward_collectives(directory: Path) -> list[dict[str, int]]:
@@ -122,7 +124,18 @@ def train_and_compare(rank: int, world: int, dump_dir: str) -> dict[str, Any]:
             ref_losses.append(float(_loss(out_ref).detach()))
         full = engine.full_parameters()
         ext = engine.extension("tensor_parallel")
+        eval_err = None
+        if name == "gpt" and seq_len == 8:  # an evaluation batch of 5 tokens: captured and split anew, padded to 6
+            args, _ = batch(STEPS)
+            short = tuple(t[:, :5] for t in args)
+            engine.eval()
+            ref.eval()
+            with torch.no_grad():
+                eval_err = abs(float(engine(*short)) - float(ref(*short)))
+            engine.train()
+            ref.train()
         out[f"{name}/{seq_len}/{lower or 'inductor'}/{vocab}"] = {
+            "eval_err": eval_err,
             "losses": losses,
             "ref_losses": ref_losses,
             "grad_err": grad_err,
@@ -150,14 +163,17 @@ def test_sequence_parallel_tp2_equals_single_process(tmp_path) -> None:
             assert r["grad_err"] < 1e-5, (key, r["grad_err"])
             assert r["param_err"] < 1e-5, (key, r["param_err"])
             assert r["logits_err"] < 1e-5, (key, r["logits_err"])
+            assert r["eval_err"] is None or r["eval_err"] < 1e-5, (key, r["eval_err"])
             blocks = r["blocks"]
             assert blocks == 4, key  # 2 layers: attention and MLP each
             # every block's all-reduce became a reduce-scatter along the sequence; blocks after the first read an all-gather
             # (the first reads the whole embedding output through tp_copy), and the LM head (the reader) the gathered sequence
-            assert r["nodes"]["tp_reduce"] == 0 and r["nodes"]["sp_reduce_scatter"] == blocks, (key, r["nodes"])
-            assert r["nodes"]["sp_gather"] == blocks - 1 + 1 and r["nodes"]["tp_copy"] >= 1, (key, r["nodes"])
-            assert r["nodes"]["sp_scatter"] == 1, (key, r["nodes"])  # the embedding output cut at the first residual add
-            assert seq["seq_len"] == int(key.split("/")[1]) and seq["padded_to"] == 8, (key, seq)
+            assert len(r["nodes"]) == (2 if r["eval_err"] is not None else 1), key  # the eval batch: a second split graph
+            for nodes in r["nodes"]:
+                assert nodes["tp_reduce"] == 0 and nodes["sp_reduce_scatter"] == blocks, (key, nodes)
+                assert nodes["sp_gather"] == blocks - 1 + 1 and nodes["tp_copy"] >= 1, (key, nodes)
+                assert nodes["sp_scatter"] == 1, (key, nodes)  # the embedding output cut at the first residual add
+            assert seq["seq_len"] == int(key.split("/")[1]) and seq["padded_to"] == 8 and not seq["all_reduces_kept"], (key, seq)
             assert r["counters"]["sequence_parallel"] is True and r["counters"]["sp_reduce_scatters"] == blocks, key
             # the norms after the first block's input run on chunks: their weights' gradients are summed over the group
             norms = [n for n in seq["gradients_summed"] if "norm" in n or "ln" in n]
