@@ -186,6 +186,12 @@ def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
         raise DSCompileConfigError(f"{path}.autotp_size", f"expected a positive integer, got {config.autotp_size}")
     if config.tp_overlap_comm:
         raise DSCompileNotSupportedError(f"{path}.tp_overlap_comm", "overlapping tensor-parallel all-reduces with compute")
+    if config.sequence_parallel and not config.enabled:
+        raise DSCompileConfigError(
+            f"{path}.sequence_parallel",
+            "Megatron's sequence parallelism shards over the tensor-parallel group, and autotp_size is 1",
+            "set autotp_size > 1, or drop sequence_parallel",
+        )
     return config
 
 

@@ -5,8 +5,10 @@ reduce-scatter along the sequence, an all-gather goes before the column-parallel
 adds run on the chunk and their weights' gradients are summed over the group. Each model trains under TP=2 with
 sequence parallelism and on one process from the same weights and batches: the losses, the gathered gradients
 and the parameters after SGD steps must agree within 1e-5 (fp32), for a length TP divides and one it does not
-(padded between blocks); the split graph must hold the reduce-scatters and all-gathers and no block all-reduce,
-and the dump of the compiled forward graph their functional collectives.
+(padded between blocks), and an eval batch of 5 tokens captured anew; the split graph must hold the reduce-scatters
+and all-gathers and no block all-reduce, and the dump of the compiled forward graph their functional collectives.
+On 4 ranks (slow): TP=2 × DP=2 with ZeRO 0-3, clipped, against one process on both batches. Refused by name:
+sequence_parallel without a TP group, and with pipeline stages.
 """
 
 from __future__ import annotations
@@ -193,6 +195,8 @@ def test_sequence_parallel_key_and_its_refusal_with_pipeline_stages() -> None:
 
     assert load_config({"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}).sections["tensor_parallel"].sequence_parallel is True
     assert load_config({"tensor_parallel": {"autotp_size": 2}}).sections["tensor_parallel"].sequence_parallel is False  # Megatron's default
+    with pytest.raises(DSCompileConfigError, match="tensor_parallel.sequence_parallel"):  # no TP group to shard over: not ignored
+        load_config({"tensor_parallel": {"sequence_parallel": True}})
     case = build("gpt", seed=0, seq_len=8, **ZOO["gpt"])
     config = {"pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}
     with pytest.raises(DSCompileConfigError, match="tensor_parallel.sequence_parallel"):
