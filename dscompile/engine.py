@@ -285,8 +285,9 @@ def initialize(
     tc = cfg.sections.get("tensor_parallel")
     tp_size = groups.tp_size if groups is not None else tc.autotp_size if tc is not None and tc.enabled else 1
     if pipe is not None:  # DeepSpeed's rule: a pipeline config gets the pipeline engine (train_batch API)
-        from dscompile.runtime.pipeline_engine import check_pipeline_world
+        from dscompile.runtime.pipeline_engine import check_pipeline_world, refuse_sequence_parallel
 
+        refuse_sequence_parallel(tc)
         check_pipeline_world(world_size, pipe.stages, tp_size)
     else:
         ParallelLayout(world_size, tp_size)  # the TP size must divide the world: says so before batch sizes are resolved

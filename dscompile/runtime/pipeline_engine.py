@@ -65,6 +65,16 @@ log = logging.getLogger("dscompile.pipeline_engine")
 _MP_RANK = re.compile(r"^pipe_stage_\d+_mp_rank_(\d+)_model_states\.pt$")
 
 
+def refuse_sequence_parallel(tc: Any) -> None:
+    """Megatron's sequence parallelism (``tensor_parallel.sequence_parallel``) inside pipeline stages is not built."""
+    if tc is not None and tc.enabled and tc.sequence_parallel:
+        raise DSCompileConfigError(
+            "tensor_parallel.sequence_parallel",
+            "sequence parallelism with pipeline stages is not built (the stages would pass sequence chunks between them)",
+            "set tensor_parallel.sequence_parallel to false, or remove the pipeline section",
+        )
+
+
 def check_pipeline_world(world_size: int, stages: int, tp_size: int = 1) -> None:
     """Ranks form ``world_size / (stages * tp_size)`` pipelines of ``stages`` TP groups: the division must be exact."""
     if world_size % (stages * tp_size):
@@ -209,6 +219,7 @@ class PipelineEngine(EngineCore):
         tc = self.config.sections.get("tensor_parallel")  # passes/tensor_parallel.py's TensorParallelConfig
         self.tensor_parallel: Any = tc if tc is not None and tc.enabled else None
         self.tp_size = tc.autotp_size if self.tensor_parallel is not None else 1
+        refuse_sequence_parallel(self.tensor_parallel)
         check_pipeline_world(self.world_size, self.num_stages, self.tp_size)
         # TP innermost (its ranks consecutive), then stages, then data-parallel replicas
         pipe_rank = self.global_rank // self.tp_size

@@ -5,6 +5,12 @@
   ``_c10d_functional.all_reduce`` + ``wait_tensor``: ``tp_copy`` (before the column-parallel linears of a
   block) is the identity forward and an all-reduce of the input's gradient backward; ``tp_reduce`` (after
   the row-parallel linear) all-reduces the partial outputs forward and passes the gradient through backward.
+- Megatron's sequence parallelism (``tensor_parallel.sequence_parallel``): ``sp_reduce_scatter`` (a row-parallel
+  output summed and scattered along the sequence; backward all-gather), ``sp_gather`` (a sequence chunk
+  all-gathered; backward a reduce-scatter before column-parallel linears, whose input gradients are partial per
+  rank, or this rank's chunk of the gradient for any other reader, which runs alike on every rank) and
+  ``sp_scatter`` (a whole value cut to this rank's chunk; backward all-gather). A ``batch`` > 0 names a
+  dimension that is ``[batch * sequence]`` flattened (Conv1D's 2-D tokens), chunked along the sequence within it.
 - ``TensorParallelGradients``: data parallelism over the DP group only (TP peers hold different slices),
   gradient clipping by the global norm (sliced parameters' squares summed over the TP group), and
   ``full_parameters`` gathered back to the unpartitioned layout.
@@ -72,6 +78,109 @@ def tp_copy(x: torch.Tensor, group: Any) -> torch.Tensor:
 def tp_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Megatron's *g*: all-reduce forward (partial sums of row-parallel linears), identity backward."""
     return _ReduceFromTensorParallel.apply(x, group)
+
+
+def _padded_length(length: int, world: int) -> int:
+    return -(-length // world) * world
+
+
+def _seq_first(x: torch.Tensor, dim: int, batch: int) -> torch.Tensor:
+    """``x`` with its sequence dimension first (a flattened ``[batch * sequence]`` dim unflattened first), contiguous."""
+    if batch:
+        x = x.unflatten(dim, (batch, -1))
+        dim += 1
+    return x.movedim(dim, 0).contiguous()
+
+
+def _seq_back(x: torch.Tensor, dim: int, batch: int) -> torch.Tensor:
+    """Undo ``_seq_first``."""
+    if batch:
+        return x.movedim(0, dim + 1).flatten(dim, dim + 1)
+    return x.movedim(0, dim)
+
+
+def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` (sequence first) with zero tokens after its own up to ``length``."""
+    extra = length - x.shape[0]
+    return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) if extra else x
+
+
+def _sequence_sum_scatter(x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int) -> torch.Tensor:
+    c10d = torch.ops._c10d_functional
+    whole = _pad_to(_seq_first(x, dim, batch), _padded_length(length, world))
+    got = c10d.wait_tensor(c10d.reduce_scatter_tensor(whole, "sum", world, group))
+    return _seq_back(got, dim, batch)
+
+
+def _sequence_gather(x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int) -> torch.Tensor:
+    c10d = torch.ops._c10d_functional
+    got = c10d.wait_tensor(c10d.all_gather_into_tensor(_seq_first(x, dim, batch), world, group))
+    return _seq_back(got[:length], dim, batch)  # the padding tokens dropped
+
+
+def _sequence_chunk(x: torch.Tensor, dim: int, batch: int, length: int, rank: int, world: int) -> torch.Tensor:
+    whole = _pad_to(_seq_first(x, dim, batch), _padded_length(length, world))
+    return _seq_back(whole.chunk(world)[rank].contiguous(), dim, batch)
+
+
+class _SequenceReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int) -> torch.Tensor:
+        ctx.args = (dim, batch, length, group, world)
+        return _sequence_sum_scatter(x, dim, batch, length, group, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _sequence_gather(grad, *ctx.args), None, None, None, None, None
+
+
+class _SequenceGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int, rank: int, partial_grad: bool) -> torch.Tensor:
+        ctx.args = (dim, batch, length, group, world, rank, partial_grad)
+        return _sequence_gather(x, dim, batch, length, group, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        dim, batch, length, group, world, rank, partial_grad = ctx.args
+        if partial_grad:  # every rank holds a partial sum of the whole gradient: sum, and keep this rank's chunk
+            g = _sequence_sum_scatter(grad, dim, batch, length, group, world)
+        else:  # the readers ran alike on every rank: the same whole gradient everywhere, this rank's chunk is its part
+            g = _sequence_chunk(grad, dim, batch, length, rank, world)
+        return g, None, None, None, None, None, None, None
+
+
+class _SequenceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int, rank: int) -> torch.Tensor:
+        ctx.args = (dim, batch, length, group, world)
+        return _sequence_chunk(x, dim, batch, length, rank, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _sequence_gather(grad, *ctx.args), None, None, None, None, None, None
+
+
+def sp_reduce_scatter(x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int) -> torch.Tensor:
+    """Sequence parallelism's *g*: the row-parallel partial sums summed over the TP group and scattered along the
+    sequence (``dim``, ``length`` tokens; ``batch`` > 0: a flattened ``[batch * sequence]`` dim), this rank keeping
+    its chunk; a length the group does not divide is padded with zero tokens to a multiple of it first.
+    Backward: the chunks' gradients all-gathered, the padding dropped."""
+    return _SequenceReduceScatter.apply(x, dim, batch, length, group, world)
+
+
+def sp_gather(x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int, rank: int, partial_grad: bool) -> torch.Tensor:
+    """The whole sequence from every rank's chunk (all-gather along ``dim``, the padding dropped). Backward: with
+    ``partial_grad`` (sequence parallelism's *f*, before column-parallel linears) the partial gradients
+    reduce-scattered; without, this rank's chunk of the gradient (a reader that runs alike on every rank: the LM
+    head, the loss, an output)."""
+    return _SequenceGather.apply(x, dim, batch, length, group, world, rank, partial_grad)
+
+
+def sp_scatter(x: torch.Tensor, dim: int, batch: int, length: int, group: Any, world: int, rank: int) -> torch.Tensor:
+    """A whole value (the same on every rank) cut to this rank's sequence chunk (padded as ``sp_reduce_scatter``);
+    backward: the chunks' gradients all-gathered (each rank's chunk holds the gradient of its tokens only)."""
+    return _SequenceScatter.apply(x, dim, batch, length, group, world, rank)
 
 
 class _SumOverReplicas(torch.autograd.Function):
