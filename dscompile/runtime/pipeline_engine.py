@@ -706,7 +706,8 @@ class PipelineEngine(EngineCore):
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True) -> tuple[str | None, dict | None]:
         """Restore parameters by name from every stage file (so another stage count works for the
-        weights); optimizer and counters only when the partition is the same."""
+        weights); optimizer and counters only when the partition is the same. A checkpoint of another
+        tensor-parallel size (TP=1 included) is joined and re-cut by name, optimizer states too (``_load_across_tp``)."""
         if self.program is None:
             self._pending_load = (load_dir, tag, load_optimizer_states)
             return None, None
