@@ -19,7 +19,9 @@ into that engine's terms:
 Differences from DeepSpeed, by design: every rank builds every layer (DeepSpeed builds only its
 own), then the engine frees the other stages' parameters; ranks are laid out
 ``rank = data_parallel_rank * stages + stage`` (DeepSpeed's default topology puts the data axis
-innermost); with ``seed_layers`` layers are built under DeepSpeed's seeds (``base_seed + index``)
+innermost); a ``PipeModelDataParallelTopology`` with ``num_mp`` > 1 turns on tensor parallelism inside the
+stages (``tensor_parallel.autotp_size``; TP innermost, as in DeepSpeed) where that layout is DeepSpeed's
+(``num_dp`` or ``num_pp`` 1); with ``seed_layers`` layers are built under DeepSpeed's seeds (``base_seed + index``)
 but the forward is not re-seeded per layer, so dropout masks differ from DeepSpeed's.
 """
 
@@ -110,9 +112,19 @@ class PipeDataParallelTopology(ProcessTopology):
 
 
 class PipeModelDataParallelTopology(ProcessTopology):
+    """Megatron-DeepSpeed's 3D grid. ``num_mp`` > 1 runs dscompile's tensor parallelism found from the graph inside
+    every stage (as ``tensor_parallel.autotp_size = num_mp``). Both lay the model axis innermost, so the TP groups are
+    the same consecutive ranks; DeepSpeed then puts ``data`` inside ``pipe`` where the pipeline engine puts the stages
+    inside the data-parallel replicas, which changes which ranks form a pipeline once both are above 1: refused."""
+
     def __init__(self, num_pp: int, num_mp: int, num_dp: int) -> None:
-        if num_mp > 1:
-            raise DSCompileNotSupportedError("topology.model", "tensor (model) parallelism inside a pipeline")
+        if num_mp > 1 and num_pp > 1 and num_dp > 1:
+            raise DSCompileNotSupportedError(
+                f"PipeModelDataParallelTopology(num_pp={num_pp}, num_mp={num_mp}, num_dp={num_dp})",
+                "DeepSpeed's rank order (pipe, data, model) with both num_pp and num_dp above 1: dscompile's pipeline engine "
+                "lays out (data, pipe, model), so its pipelines and data-parallel groups would hold other ranks than DeepSpeed's; "
+                "use num_dp=1 (or num_pp=1), or PipelineModule(num_stages=...) with tensor_parallel.autotp_size and the engine's layout",
+            )
         super().__init__(["pipe", "data", "model"], [num_pp, num_dp, num_mp])
 
 
@@ -257,6 +269,22 @@ class PipelineModule(nn.Module):
                 raise DSCompileConfigError(f"pipeline.{key}", "a PipelineModule cuts its stages by its own partition_method", f"drop {key}")
         self._bounds = self.partition_layers(section.num_model_stages)
         config.sections["pipeline_parallel"] = section
+        num_mp = self._topo.get_dim("model") if self._topo is not None else 1
+        if num_mp > 1:  # tensor parallelism inside the stages, as tp_model_init records it
+            import torch.distributed as dist
+
+            from dscompile.autotp import TpModelInit, merge_into_config
+
+            assert self._topo is not None
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+            if world is not None and world != self._topo.world_size():
+                raise DSCompileConfigError(
+                    "PipelineModule.topology",
+                    f"{self._topo.world_size()} ranks ({dict(zip(self._topo.axes, self._topo.dims))}) but the world has {world}",
+                    "make num_pp * num_mp * num_dp the number of processes launched",
+                )
+
+            config = merge_into_config(config, TpModelInit(num_mp, None), source=f"the PipelineModule's topology (num_mp={num_mp})")
         return config
 
     def forward(self, *inputs: Any) -> Any:

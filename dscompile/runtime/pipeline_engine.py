@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -56,7 +57,9 @@ from dscompile.runtime.pipeline_p2p import P2P
 from dscompile.runtime.pipeline_schedules import build_schedule
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sixteen_bit import upcast_low_precision
-from dscompile.runtime.tensor_parallel import broadcast_in_tp_group, gather_slices
+from dscompile.runtime.tensor_parallel import broadcast_in_tp_group, gather_slices, slicing_metadata
+from dscompile.runtime.tensor_parallel_checkpoint import cut_to_rank, join_tp_ranks, specs_of
+from dscompile.runtime.zero_checkpoint import FullState, _load_full_optimizer, optimizer_param_names
 from dscompile.runtime.zero_shard import collective_failures_explained
 
 log = logging.getLogger("dscompile.pipeline_engine")
@@ -609,6 +612,9 @@ class PipelineEngine(EngineCore):
                         "zero1_replicas": self.dp_size if self.zero1_sharded else 0,
                         "bounds": self.program.plan.bounds,
                         "tp_size": self.tp_size,
+                        # what loading at another TP size needs: the optimizer's positions by name, the slicing
+                        "optimizer_param_names": optimizer_param_names(self._named_view()) if not self.zero1_sharded else None,
+                        "tensor_parallel": slicing_metadata(self.tp_groups, self.tensor_parallel_plan.slices) if self.tp_groups is not None else None,
                         **self.core_state_dict(client_state),  # scheduler, counters, extensions (loss scaler)
                     },
                     self._rank_file(),
@@ -646,9 +652,73 @@ class PipelineEngine(EngineCore):
                 self.dp_size if self.zero1_sharded else 0,
             )
 
+    def _named_view(self) -> Any:
+        """This engine as the checkpoint helpers see one: its optimizer, no ZeRO, parameters by the stage files' names."""
+        return types.SimpleNamespace(optimizer=self.optimizer, zero=None, module=self.root)
+
+    def _saved_tp_rank(self, reader: CheckpointReader, saved_tp: int, tp_rank: int) -> tuple[FullState, dict | None]:
+        """Everything TP rank ``tp_rank`` of a ``saved_tp`` checkpoint saved, over all its stages: its tensors by name
+        (every stage file's), the optimizer states of every stage's parameters by name, and one rank file's state."""
+        mp = f"_mp_rank_{tp_rank:02d}" if saved_tp > 1 else ""
+        tensors: dict[str, torch.Tensor] = {}
+        optimizer: dict[str, dict[str, Any]] | None = {}
+        groups: list[dict[str, Any]] | None = None
+        first: dict | None = None
+        for name in sorted(reader.names()):
+            if re.fullmatch(rf"pipe_stage_\d+{mp}_model_states\.pt", name):
+                tensors.update(reader.load(name, weights_only=True))
+            elif re.fullmatch(rf"pipe_rank_\d+{mp}_states\.pt", name):
+                state = reader.load(name)
+                first = first or state
+                names, saved_opt = state.get("optimizer_param_names"), state.get("optimizer")
+                if optimizer is None or names is None or saved_opt is None:
+                    optimizer = None  # ZeRO-1 shards (or an older file): no optimizer states by name
+                    continue
+                order = [i for g in saved_opt["param_groups"] for i in g["params"]]
+                by_index = dict(zip(order, names, strict=True))
+                optimizer.update({by_index[i]: dict(entries) for i, entries in saved_opt["state"].items()})
+                groups = groups or [{k: v for k, v in g.items() if k != "params"} for g in saved_opt["param_groups"]]  # hyper-parameters
+        return FullState(source="", params=tensors, optimizer=optimizer, param_groups=groups), first
+
+    def _load_across_tp(self, reader: CheckpointReader, saved_tp: int, load_optimizer_states: bool) -> tuple[str | None, dict | None]:
+        """A checkpoint of another TP size: every saved TP rank's stages read, their slices joined by the saved
+        slicing (``tensor_parallel_checkpoint.join_tp_ranks``), then cut to this rank's (``cut_to_rank``), weights
+        and optimizer states by parameter name, so the stage partition may differ too."""
+        directory = reader.directory
+        ranks = [self._saved_tp_rank(reader, saved_tp, t) for t in range(saved_tp)]
+        state = ranks[0][1]
+        if state is None:
+            raise CheckpointError(f"{directory} has no pipe_rank_* states file for TP rank 0")
+        meta = state.get("tensor_parallel")
+        if saved_tp > 1 and meta is None:
+            raise CheckpointError(
+                f"{directory} holds the stages of tensor-parallel size {saved_tp} without their slicing (saved by an older dscompile): "
+                f"resume it at tensor_parallel.autotp_size {saved_tp}"
+            )
+        full = join_tp_ranks([r for r, _ in ranks], specs_of(meta) if meta else {}, f"pipeline checkpoint at TP={saved_tp}")
+        live: dict[str, torch.Tensor] = {}
+        for s in self.local_stages:
+            live.update(self.program.stages[s].module.state_dict())
+        specs = self.tensor_parallel_plan.slices if self.tensor_parallel_plan is not None else {}
+        mine = cut_to_rank(dataclasses.replace(full, params={n: v for n, v in full.params.items() if n in live}), live, specs, self.tp_rank, self.tp_size)
+        with torch.no_grad():
+            for name, t in live.items():
+                if name not in mine.params:
+                    raise KeyError(f"checkpoint {directory} has no tensor {name!r} for stages {self.local_stages}")
+                t.copy_(mine.params[name])
+        if load_optimizer_states and self.optimizer is not None:
+            if mine.optimizer is None:
+                log.warning("checkpoint %s has no optimizer states by parameter name (ZeRO-1 shards): loaded the weights only", directory)
+            else:
+                _load_full_optimizer(self._named_view(), mine, None)
+        self.load_core_state_dict(state)
+        log.info("rank %d: loaded %s saved at TP=%d into TP=%d", self.global_rank, directory, saved_tp, self.tp_size)
+        return str(directory), state["client_state"]
+
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True) -> tuple[str | None, dict | None]:
         """Restore parameters by name from every stage file (so another stage count works for the
-        weights); optimizer and counters only when the partition is the same."""
+        weights); optimizer and counters only when the partition is the same. A checkpoint of another
+        tensor-parallel size (TP=1 included) is joined and re-cut by name, optimizer states too (``_load_across_tp``)."""
         if self.program is None:
             self._pending_load = (load_dir, tag, load_optimizer_states)
             return None, None
@@ -666,10 +736,7 @@ class PipelineEngine(EngineCore):
         reader = CheckpointReader(directory)  # every file verified against the checkpoint's manifest
         saved_tp = max((int(m.group(1)) + 1 for m in map(_MP_RANK.search, reader.names()) if m), default=1)
         if saved_tp != self.tp_size:
-            raise CheckpointError(
-                f"{directory} holds the stages of tensor-parallel size {saved_tp}; this pipeline runs at {self.tp_size}: "
-                "loading pipeline stages across TP sizes is not built (resume with the same tensor_parallel.autotp_size)"
-            )
+            return self._load_across_tp(reader, saved_tp, load_optimizer_states)
         files = [name for name in reader.names() if name.startswith("pipe_stage_") and name.endswith(f"{self._mp()}_model_states.pt")]
         saved: dict[str, torch.Tensor] = {}
         for f in files:

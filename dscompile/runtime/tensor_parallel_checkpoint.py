@@ -82,14 +82,15 @@ def _map_optimizer(
     return out
 
 
-def full_state(reader: CheckpointReader, engine: Any | None) -> FullState:
-    """The whole model's state from a TP checkpoint: every TP rank's state, its slices joined."""
-    first_file = reader.load(tp_file_name(0))
-    meta, zero = first_file["tensor_parallel"], first_file.get("zero")
-    tp = int(meta["tp_size"])
-    ranks = [_rank_state(reader, r, engine) for r in range(tp)]
+def specs_of(meta: dict[str, Any]) -> dict[str, SliceSpec]:
+    """The ``SliceSpec`` of every sliced tensor, from a checkpoint's ``slicing_metadata``."""
+    return {n: SliceSpec.from_dict(s) for n, s in meta["slices"].items()}
+
+
+def join_tp_ranks(ranks: list[FullState], saved: dict[str, SliceSpec], source: str) -> FullState:
+    """The whole state from every TP rank's state (rank order): each sliced tensor, and each element-wise optimizer
+    state of a sliced parameter, joined by its ``SliceSpec`` (padding dropped); the others taken from rank 0."""
     first = ranks[0]
-    saved = {n: SliceSpec.from_dict(s) for n, s in meta["slices"].items()}
     specs = _specs_by_every_name({**first.params, **first.module_extra}, saved)
 
     def join(name: str, values: list[torch.Tensor]) -> torch.Tensor:
@@ -100,10 +101,9 @@ def full_state(reader: CheckpointReader, engine: Any | None) -> FullState:
             return None
         return specs[name].assemble([r.optimizer[name][key].reshape(shape) for r in ranks]).reshape(-1)  # type: ignore[index]
 
-    under = f", ZeRO-{zero['stage']} over {zero['world_size']} rank(s) each" if zero else ""
     return dataclasses.replace(
         first,
-        source=f"dscompile tensor-parallel checkpoint (TP={tp}{under})",
+        source=source,
         params={n: join(n, [r.params[n] for r in ranks]) for n in first.params},
         module_extra={n: join(n, [r.module_extra[n] for r in ranks]) for n in first.module_extra},
         optimizer=_map_optimizer(first.optimizer, {n: v.shape for n, v in first.params.items()}, join_state),
@@ -111,11 +111,26 @@ def full_state(reader: CheckpointReader, engine: Any | None) -> FullState:
     )
 
 
+def full_state(reader: CheckpointReader, engine: Any | None) -> FullState:
+    """The whole model's state from a TP checkpoint: every TP rank's state, its slices joined."""
+    first_file = reader.load(tp_file_name(0))
+    meta, zero = first_file["tensor_parallel"], first_file.get("zero")
+    tp = int(meta["tp_size"])
+    ranks = [_rank_state(reader, r, engine) for r in range(tp)]
+    under = f", ZeRO-{zero['stage']} over {zero['world_size']} rank(s) each" if zero else ""
+    return join_tp_ranks(ranks, specs_of(meta), f"dscompile tensor-parallel checkpoint (TP={tp}{under})")
+
+
 def sliced_state(full: FullState, module: nn.Module, specs: dict[str, SliceSpec], groups: ProcessGroups) -> FullState:
     """``full`` cut to this rank's TP slices, as the split model holds them (tied names included)."""
-    rank, tp = groups.tp_rank, groups.tp_size
     live = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
-    by_name = _specs_by_every_name({n: t.data for n, t in live.items()}, specs)
+    return cut_to_rank(full, {n: t.data for n, t in live.items()}, specs, groups.tp_rank, groups.tp_size)
+
+
+def cut_to_rank(full: FullState, live: dict[str, torch.Tensor], specs: dict[str, SliceSpec], rank: int, tp: int) -> FullState:
+    """``full`` cut to TP rank ``rank``'s slices of ``tp`` (``specs``: the loading model's slicing; ``live``: its tensors
+    by every name, so that tied names share their twin's spec); element-wise optimizer states cut as their parameters."""
+    by_name = _specs_by_every_name(live, specs)
 
     def cut(name: str, value: torch.Tensor) -> torch.Tensor:
         return by_name[name].take(value, rank, tp).clone() if name in by_name else value
