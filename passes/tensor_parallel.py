@@ -817,6 +817,14 @@ def _casts_only(node: fx.Node) -> bool:
     return node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
 
 
+_PER_LOGIT = {aten.div.Tensor, aten.mul.Tensor, aten.div.Scalar, aten.mul.Scalar, aten.tanh.default, aten.add.Scalar, aten.sub.Scalar}
+
+
+def _per_logit(node: fx.Node) -> bool:
+    """An op on each logit alone with constants (Gemma2's ``tanh(logits / cap) * cap``): it runs on a vocabulary slice as is."""
+    return node.target in _PER_LOGIT and not any(isinstance(a, fx.Node) for a in [*node.args[1:], *node.kwargs.values()])
+
+
 def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str, Any]]]:
     """Every mean cross-entropy computed straight from a linear's logits (the LM head), and those left whole (why)."""
     heads: list[VocabHead] = []
@@ -831,7 +839,7 @@ def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str
             if len(_shape(logits) or ()) != 2:
                 raise _Unsplittable("the loss does not read [tokens, vocabulary] logits")
             views, x, chain = [], logits, []
-            while x.target in _VIEWS or _casts_only(x):  # views, and Hugging Face's logits.float()
+            while x.target in _VIEWS or _casts_only(x) or _per_logit(x):  # views, Hugging Face's logits.float(), Gemma2's soft-capping
                 if x.target in _VIEWS:
                     views.append(x)
                 chain.insert(0, x)
@@ -849,7 +857,7 @@ def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str
             readers = [n for n in gm.graph.nodes if n.op == "get_attr" and _attr(gm, str(n.target)) is param]  # tied: any name
             embeddings = [u for r in readers for u in r.users if u is not x]
             for u in embeddings:
-                if u.target is not aten.embedding.default or len(u.args) > 2 or u.kwargs:
+                if u.target is not aten.embedding.default or len(u.args) > 3 or u.kwargs:  # a padding_idx (Gemma's) is kept
                     raise _Unsplittable(f"the LM head's weight is also read by {u.name} ({u.target}), not a plain embedding")
             heads.append(VocabHead(head, views, loss, embeddings, vocab, int(_arg(loss, 4, "ignore_index", -100)), chain))
         except _Unsplittable as exc:
@@ -892,7 +900,8 @@ def rewrite_vocab_heads(gm: fx.GraphModule, heads: list[VocabHead], group: Any, 
         graph.erase_node(head.loss)
         for embedding in head.embeddings:
             with graph.inserting_after(embedding):
-                lookup = graph.call_function(vocab_parallel_embedding, (embedding.args[0], embedding.args[1], group, first, count))
+                padding = embedding.args[2] if len(embedding.args) > 2 else -1
+                lookup = graph.call_function(vocab_parallel_embedding, (embedding.args[0], embedding.args[1], group, first, count, padding))
             lookup.meta["val"] = embedding.meta.get("val")
             embedding.replace_all_uses_with(lookup)
             graph.erase_node(embedding)

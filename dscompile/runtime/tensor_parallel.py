@@ -285,12 +285,14 @@ def gather_vocabulary(logits: torch.Tensor, group: Any, world: int, rank: int, v
     return _GatherVocabulary.apply(logits, group, world, rank, vocab)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, group: Any, first: int, count: int) -> torch.Tensor:
-    """``F.embedding(ids, full_weight)`` from this rank's rows ``[first, first + count)``: ids outside them read
-    a zero row here; the all-reduce (``tp_reduce``) adds the one rank's row that holds each id."""
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, group: Any, first: int, count: int, padding_idx: int = -1) -> torch.Tensor:
+    """``F.embedding(ids, full_weight, padding_idx)`` from this rank's rows ``[first, first + count)``: ids outside
+    them read a zero row here; the all-reduce (``tp_reduce``) adds the one rank's row that holds each id. The
+    padding row (if this rank holds it) gets no gradient, as in ``F.embedding``."""
     local = ids - first
     outside = (local < 0) | (local >= count)
-    rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
+    local_padding = padding_idx - first if padding_idx >= 0 and first <= padding_idx < first + count else -1
+    rows = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), local_padding)
     return tp_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
 
