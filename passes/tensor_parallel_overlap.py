@@ -16,9 +16,9 @@ and ``tp_sum_replicas``' in backward, ``tp_reduce``'s and the vocabulary-paralle
 - *wait late*: its ``wait_tensor`` (and views of the result) sink to their first real consumer
   (``zero_schedule.sink_to_first_use``, as ``zero_overlap`` does for ZeRO's reduce-scatters).
 
-Nothing crosses a node with side effects (a mutation, another collective the all-reduce does not need,
-a placeholder or the output), so the order of collectives and of writes is what it was, and the maths is
-unchanged: only the order of independent nodes moves. The window ends at the previous all-reduce's
+Nothing crosses a node with side effects (a mutation, a random draw, another collective the all-reduce does
+not need, a placeholder or the output), so the order of collectives, writes and random numbers is what it
+was, and the maths is unchanged: only the order of independent nodes moves. The window ends at the previous all-reduce's
 group, so a block's weight gradients are computed under its own all-reduce, not pushed further.
 With ``tp_overlap_comm: false`` (DeepSpeed's default) the pass is not in the pipeline.
 """
@@ -65,8 +65,12 @@ def _is_collective(node: torch.fx.Node) -> bool:
 
 
 def _mutates(node: torch.fx.Node) -> bool:
+    """A node nothing may cross: a write, a side effect, a draw from the random generator (moving it would hand
+    another op its numbers: dropout masks would change), or not a call at all (placeholders, attributes)."""
+    if node.op != "call_function" or node.target in torch.fx.node._side_effectful_functions:
+        return True
     schema = getattr(node.target, "_schema", None)
-    return node.op != "call_function" or (schema is not None and schema.is_mutable) or node.target in torch.fx.node._side_effectful_functions
+    return (schema is not None and schema.is_mutable) or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def issue_early(start: torch.fx.Node, floor: torch.fx.Node | None) -> list[torch.fx.Node]:
