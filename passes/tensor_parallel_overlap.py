@@ -45,7 +45,7 @@ _CHEAP = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default}
 # what the Inductor lowering is told for a graph this pass scheduled (backends/inductor.py reads it)
-KEEP_ORDER = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+KEEP_ORDER = {"reorder_for_peak_memory": False}
 
 
 @dataclass
