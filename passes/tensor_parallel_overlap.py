@@ -21,6 +21,19 @@ not need, a placeholder or the output), so the order of collectives, writes and 
 was, and the maths is unchanged: only the order of independent nodes moves. The window ends at the previous all-reduce's
 group, so a block's weight gradients are computed under its own all-reduce, not pushed further.
 With ``tp_overlap_comm: false`` (DeepSpeed's default) the pass is not in the pipeline.
+
+Inductor (the default lowering) would undo the order in two ways, both checked on its generated code
+(``tests/test_tensor_parallel_overlap.py``): its reordering for peak memory puts the weight-gradient matmuls
+back before the all-reduce, so the pass asks the lowering to turn that off for the graphs it scheduled
+(``ctx.analysis["inductor_config"]``, read by ``backends/inductor.py``); and it fuses a pointwise or reduction
+node left before a wait with a like one after it, placing the fused kernel (and so the wait) at the first, so
+the moved matmuls go first among the moved nodes. Inductor's own ``reorder_for_compute_comm_overlap`` is not
+used: it schedules by its cost model, which has no figures for gloo.
+
+The split graph reaches the pipeline under the config the engine compiles it with, less the tensor-parallel
+split (``split_graph_sections``: the section stays at ``autotp_size`` 1 when ``tp_overlap_comm`` is on), so
+the pass also runs on each pipeline stage's graph under TP × pipeline, and after the ZeRO passes under
+TP × ZeRO-2/3 (their collectives are barriers it never moves).
 """
 
 from __future__ import annotations
