@@ -27,8 +27,8 @@ Inductor (the default lowering) would undo the order in two ways, both checked o
 back before the all-reduce, so the pass asks the lowering to turn that off for the graphs it scheduled
 (``ctx.analysis["inductor_config"]``, read by ``backends/inductor.py``); and it fuses a pointwise or reduction
 node left before a wait with a like one after it, placing the fused kernel (and so the wait) at the first, so
-the moved matmuls go first among the moved nodes. Inductor's own ``reorder_for_compute_comm_overlap`` is not
-used: it schedules by its cost model, which has no figures for gloo.
+the moved matmuls go first among the moved nodes. Inductor's own ``reorder_for_compute_comm_overlap`` (which
+schedules by its cost estimates) is left off: the order this pass chose is kept instead.
 
 The split graph reaches the pipeline under the config the engine compiles it with, less the tensor-parallel
 split (``split_graph_sections``: the section stays at ``autotp_size`` 1 when ``tp_overlap_comm`` is on), so
