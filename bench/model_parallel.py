@@ -27,7 +27,10 @@ equal the ideal split (1.000) for all three; peak memory a step adds (RSS high-w
 2.8 / 6.0 / 12.6 MiB; losses identical across the three. ``dscompile vocab`` (d_model 128, 2 layers, seq 64,
 vocabulary 512): 1.31 MiB of parameters per rank against 1.44 without the vocabulary split (the LM head
 halved), the same losses, step time within the noise of the plain split (36-55 ms against 41-59 ms over
-three runs of 4-6 steps; one run under heavy load showed 201 ms, not reproduced).
+three runs of 4-6 steps; one run under heavy load showed 201 ms, not reproduced). ``dscompile overlap``
+(default sizes, ``--variants "dscompile,dscompile overlap" --rounds 3 --steps 8``, load average 8-18):
+medians 216.7 ms against 220.5 ms for ``dscompile`` (per-round 0.50x, 1.09x, 0.59x of it: within the noise;
+gloo on 2 shared cores has little to overlap), the same losses.
 
     python bench/model_parallel.py [--steps 5] [--d-model 256] [--layers 4] [--seq 128] [--batch 4] [--rounds 3] [--variants a,b]
 """
