@@ -68,7 +68,10 @@ def lower_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx:
     """Compile the graph with Inductor's ``compile_fx_inner`` (C++/OpenMP on CPU, Triton on GPU).
 
     A ``torch.compile(mode=...)`` other than ``"default"`` (``ctx.analysis["mode"]``) applies
-    Inductor's option set for that mode, as ``backend="inductor"`` would.
+    Inductor's option set for that mode, as ``backend="inductor"`` would. A pass that scheduled the
+    graph's collectives itself leaves Inductor options for that graph kind in
+    ``ctx.analysis["inductor_config"][kind]`` (``tp_overlap``: no reordering for peak memory, which would
+    put the waits back next to their collectives).
     """
     import torch._inductor
     from torch._inductor.compile_fx import compile_fx_inner
@@ -80,5 +83,7 @@ def lower_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx:
         kwargs["static_input_idxs"] = sorted(ctx.param_names)
     mode = ctx.analysis.get("mode")
     patches = torch._inductor.list_mode_options(mode) if mode not in (None, "default") else {}
+    # a scheduling pass that ordered the graph itself (tp_overlap) asks Inductor to keep that order
+    patches = patches | ctx.analysis.get("inductor_config", {}).get(ctx.graph_kind, {})
     with torch._inductor.config.patch(patches):
         return compile_fx_inner(gm, list(example_inputs), **kwargs)

@@ -7,6 +7,8 @@ ranks per variant:
   lowering (Inductor).
 - ``dscompile vocab``: the same with ``vocab_parallel_lm_head: true`` (the LM head split by vocabulary,
   parallel cross-entropy).
+- ``dscompile overlap``: the same with ``tp_overlap_comm: true`` (each TP all-reduce started before the
+  computation that does not need it, the weight-gradient matmuls in backward, and waited for after).
 - ``dtensor eager`` / ``dtensor compiled``: ``parallelize_module`` with the hand-written plan
   (``wq/wk/wv/w_gate/w_up`` ``ColwiseParallel``, ``wo/w_down`` ``RowwiseParallel``; the attention's head
   counts halved by hand, as torchtitan does), eager and under ``torch.compile`` (Inductor).
@@ -25,9 +27,12 @@ equal the ideal split (1.000) for all three; peak memory a step adds (RSS high-w
 2.8 / 6.0 / 12.6 MiB; losses identical across the three. ``dscompile vocab`` (d_model 128, 2 layers, seq 64,
 vocabulary 512): 1.31 MiB of parameters per rank against 1.44 without the vocabulary split (the LM head
 halved), the same losses, step time within the noise of the plain split (36-55 ms against 41-59 ms over
-three runs of 4-6 steps; one run under heavy load showed 201 ms, not reproduced).
+three runs of 4-6 steps; one run under heavy load showed 201 ms, not reproduced). ``dscompile overlap``
+(default sizes, ``--variants "dscompile,dscompile overlap" --rounds 3 --steps 8``, load average 8-18):
+medians 216.7 ms against 220.5 ms for ``dscompile`` (per-round 0.50x, 1.09x, 0.59x of it: within the noise;
+gloo on 2 shared cores has little to overlap), the same losses.
 
-    python bench/model_parallel.py [--steps 5] [--d-model 256] [--layers 4] [--seq 128] [--batch 4] [--rounds 3]
+    python bench/model_parallel.py [--steps 5] [--d-model 256] [--layers 4] [--seq 128] [--batch 4] [--rounds 3] [--variants a,b]
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ def run_variant(rank: int, world: int, variant: str, sizes: dict[str, int], step
     full = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     lr = 0.01
     if variant.startswith("dscompile"):
-        tc = {"autotp_size": world, "vocab_parallel_lm_head": variant == "dscompile vocab"}
+        tc = {"autotp_size": world, "vocab_parallel_lm_head": variant == "dscompile vocab", "tp_overlap_comm": variant == "dscompile overlap"}
         engine, *_ = dscompile.initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": lr}}, "tensor_parallel": tc})
 
         def step(batch: tuple) -> float:
@@ -162,6 +167,9 @@ def run_variant(rank: int, world: int, variant: str, sizes: dict[str, int], step
     return {"ms": 1000 * statistics.median(times), "held": held, "ideal": ideal, "peak_added": peak_added, "losses": losses}
 
 
+VARIANTS = ("dscompile", "dscompile overlap", "dscompile vocab", "dtensor eager", "dtensor compiled", "deepspeed autotp")
+
+
 def main() -> None:
     from dscompile.testing.distributed import run_distributed
 
@@ -172,6 +180,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1, help="variants alternated A B C A B C ...: each runs this many times; median and spread")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)} (dtensor compiled always runs)")
     args = parser.parse_args()
     sizes = {
         "d_model": args.d_model, "n_heads": 8, "n_kv_heads": 4, "n_layers": args.layers, "hidden_dim": 4 * args.d_model,
@@ -191,12 +200,15 @@ def main() -> None:
         print(f"[round {round_index + 1}] {variant}: {row['ms']:.1f} ms/step", flush=True)
         return row
 
-    variants = ["dscompile", "dscompile vocab", "dtensor eager", "dtensor compiled"]
-    if importlib.util.find_spec("deepspeed") is not None:
-        variants.append("deepspeed autotp")
-    else:
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if "deepspeed autotp" in chosen and importlib.util.find_spec("deepspeed") is None:
         print("DeepSpeed is not installed: its AutoTP training is left out (pip install deepspeed)")
-    runs = alternate(tuple(variants), args.rounds, run_peer)
+        chosen.remove("deepspeed autotp")
+    chosen = [v for v in VARIANTS if v in chosen or v == "dtensor compiled"]
+    runs = alternate(tuple(chosen), args.rounds, run_peer)
     base = runs["dtensor compiled"]
     print(f"TP=2 on gloo, zoo llama {sizes}; {args.rounds} round(s), variants alternated, medians; ratio: median of per-round ratios [min-max]")
     print(f"{'variant':18} {'step ms':>9} {'spread':>7} {'x dt-comp':>20} {'param MiB/rank':>15} {'vs ideal':>9} {'peak+ MiB':>10} {'last loss':>10}")

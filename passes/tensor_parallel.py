@@ -211,8 +211,6 @@ def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
     config = parse_dataclass(TensorParallelConfig, section, path)
     if config.autotp_size < 1:
         raise DSCompileConfigError(f"{path}.autotp_size", f"expected a positive integer, got {config.autotp_size}")
-    if config.tp_overlap_comm:
-        raise DSCompileNotSupportedError(f"{path}.tp_overlap_comm", "overlapping tensor-parallel all-reduces with compute")
     if config.sequence_parallel and not config.enabled:
         raise DSCompileConfigError(
             f"{path}.sequence_parallel",
@@ -223,6 +221,17 @@ def parse_tensor_parallel(value: Any, path: str) -> TensorParallelConfig:
 
 
 register_section(SECTION, parse_tensor_parallel, "tensor parallelism")
+
+
+def split_graph_sections(sections: Mapping[str, Any]) -> dict[str, Any]:
+    """The config sections the split graph compiles under: tensor parallelism is already applied, so its section
+    goes, except that with ``tp_overlap_comm`` it stays at ``autotp_size`` 1 (nothing more to split) for the
+    ``tp_overlap`` pass (``passes/tensor_parallel_overlap.py``) to read."""
+    out = {k: v for k, v in sections.items() if k != SECTION}
+    tc = sections.get(SECTION)
+    if tc is not None and tc.tp_overlap_comm:
+        out[SECTION] = dataclasses.replace(tc, autotp_size=1)
+    return out
 
 
 def tensor_parallel_config(config: Any) -> TensorParallelConfig | None:
@@ -1714,7 +1723,7 @@ class TensorParallelExtension(EngineExtension):
                 for tensor in list(engine.module.parameters()) + list(engine.module.buffers()):
                     dist.broadcast(tensor, src=0)
         # the split graph compiles under the engine's config, less this section (the frontend refuses it on its own)
-        options = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != SECTION})
+        options = dataclasses.replace(engine.config, sections=split_graph_sections(engine.config.sections))
         options = options if getattr(engine, "compiles_model", False) else None
         engine.compiles_model = False  # type: ignore[attr-defined]  # the module compiles its split graph itself
         self.module = TensorParallelModule(engine.module, groups, self.tc, options, self._after_split)

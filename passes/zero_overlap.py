@@ -26,7 +26,7 @@ import torch.fx
 
 from dscompile.graph import ds_meta
 from dscompile.passes.zero import is_zero_start
-from dscompile.passes.zero_schedule import move_after, positions, sole_user
+from dscompile.passes.zero_schedule import move_after, positions, sink_to_first_use, sole_user
 from dscompile.pipeline import PassContext, register_pass
 
 log = logging.getLogger("dscompile.passes.zero_overlap")
@@ -59,16 +59,7 @@ def zero_overlap(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroOverla
     hoisted = sum(_issue_early(start) for start in starts)
     order = positions(graph)
     starts.sort(key=order.__getitem__)  # the schedule order after hoisting
-    moved = 0
-    for start in starts:
-        chain = _cheap_descendants(sole_user(start))
-        order = positions(graph)
-        for node in sorted(chain, key=order.__getitem__, reverse=True):
-            order = positions(graph)
-            first = min(node.users, key=order.__getitem__, default=None)
-            if first is not None and order[first] > order[node] + 1:
-                first.prepend(node)
-                moved += 1
+    moved = sum(sink_to_first_use(sole_user(start), _CHEAP) for start in starts)
     deadlines = wait_deadlines(starts, options.reduce_bucket_size)
     order = positions(graph)
     held_back = 0
@@ -130,14 +121,3 @@ def _issue_early(start: torch.fx.Node) -> bool:
     move_after(anchor, [*prepared, start])
     return True
 
-
-def _cheap_descendants(wait: torch.fx.Node) -> list[torch.fx.Node]:
-    found = [wait]
-    stack = list(wait.users)
-    while stack:
-        node = stack.pop()
-        if node in found or node.op != "call_function" or node.target not in _CHEAP:
-            continue
-        found.append(node)
-        stack.extend(node.users)
-    return found

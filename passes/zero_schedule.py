@@ -1,14 +1,16 @@
-"""Graph-order helpers the ZeRO scheduling passes share (no pass is registered here).
+"""Graph-order helpers the collective-scheduling passes share (no pass is registered here).
 
 Scheduling collectives means moving nodes: a start earlier (prefetch), a wait later (overlap),
 several collectives into one (bucketing). These helpers keep the graph topologically valid
-while changing the order as little as possible.
+while changing the order as little as possible. The ZeRO passes (``zero_bucketing``,
+``zero_prefetch``, ``zero_overlap``) and tensor parallelism's ``tp_overlap`` use them.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from typing import Any
 
 import torch
 import torch.fx
@@ -36,7 +38,7 @@ def stable_toposort(graph: torch.fx.Graph) -> None:
             if pending[user] == 0:
                 heapq.heappush(ready, index[user])
     if len(order) != len(nodes):
-        raise DSCompilePassError("zero scheduling: the graph has a cycle after rewriting")
+        raise DSCompilePassError("collective scheduling: the graph has a cycle after rewriting")
     for before, after in zip(order, order[1:], strict=False):
         if before.next is not after:
             before.append(after)
@@ -68,5 +70,29 @@ def ancestors_after(node: torch.fx.Node, anchor: torch.fx.Node, order: dict[torc
 def sole_user(node: torch.fx.Node) -> torch.fx.Node:
     users = list(node.users)
     if len(users) != 1:
-        raise DSCompilePassError(f"zero scheduling: collective {node.name} should have one wait, has {len(users)} users")
+        raise DSCompilePassError(f"collective scheduling: collective {node.name} should have one wait, has {len(users)} users")
     return users[0]
+
+
+def sink_to_first_use(wait: torch.fx.Node, cheap: Collection[Any]) -> int:
+    """Move a collective's ``wait`` and the ``cheap`` ops that only reshape its result (views, a division by
+    the world size, bucket slices: ops whose target is in ``cheap``) down to right before their first real
+    consumer, so whatever the graph computes in between runs while the collective is in flight. Returns how
+    many nodes moved."""
+    chain = [wait]
+    stack = list(wait.users)
+    while stack:
+        node = stack.pop()
+        if node in chain or node.op != "call_function" or node.target not in cheap:
+            continue
+        chain.append(node)
+        stack.extend(node.users)
+    moved = 0
+    order = positions(wait.graph)
+    for node in sorted(chain, key=order.__getitem__, reverse=True):  # the last first: each then sinks to its own first user
+        order = positions(wait.graph)
+        first = min(node.users, key=order.__getitem__, default=None)
+        if first is not None and order[first] > order[node] + 1:
+            first.prepend(node)
+            moved += 1
+    return moved

@@ -142,7 +142,6 @@ def test_every_deepspeed_field_is_known():
         ({"expert_parallel": {"enabled": True}}, "expert_parallel.enabled"),
         ({"compile": {"offload_activation": True}}, "compile.offload_activation"),
         ({"compile": {"offload_opt_states": True}}, "compile.offload_opt_states"),
-        ({"tensor_parallel": {"tp": {"tp_size": 2}, "tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
         ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
         ({"disable_python_gc": True}, "disable_python_gc"),
