@@ -379,13 +379,9 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction}
 
 
-def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, heads_of_one: bool = False) -> tuple[int, bool]:
-    """The dim of ``dst`` that a view of ``src`` sliced on ``dim`` is sliced on (the outermost of its group), and
-    whether a size-one dim before it could have been the sliced one instead.
-
-    Shapes cannot tell ``[.., F] -> [.., 1, F]`` as one head of ``F`` features (MQA's keys) from a size-one
-    dim put before ``F`` (a decode step's sequence); the features are the default, ``heads_of_one`` picks the
-    size-one dim. A sliced dim of size one (that one head) stays a size-one dim, or the outermost of a merge."""
+def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """A view's dims in groups of equal products (``[B, S, H] -> [B*S, H]``: ``([0, 1], [0]), ([2], [1])``)."""
+    groups = []
     i = j = 0
     while i < len(src) or j < len(dst):
         gi, gj = [i], [j]
@@ -393,14 +389,28 @@ def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, heads_of_one
         b = dst[j] if j < len(dst) else 1
         i, j = i + 1, j + 1
         while a != b:
-            if a < b:
+            if a < b and i < len(src):
                 a *= src[i]
                 gi.append(i)
                 i += 1
-            else:
+            elif b < a and j < len(dst):
                 b *= dst[j]
                 gj.append(j)
                 j += 1
+            else:
+                return []
+        groups.append((gi, gj))
+    return groups
+
+
+def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, heads_of_one: bool = False) -> tuple[int, bool]:
+    """The dim of ``dst`` that a view of ``src`` sliced on ``dim`` is sliced on (the outermost of its group), and
+    whether a size-one dim before it could have been the sliced one instead.
+
+    Shapes cannot tell ``[.., F] -> [.., 1, F]`` as one head of ``F`` features (MQA's keys) from a size-one
+    dim put before ``F`` (a decode step's sequence); the features are the default, ``heads_of_one`` picks the
+    size-one dim. A sliced dim of size one (that one head) stays a size-one dim, or the outermost of a merge."""
+    for gi, gj in _view_groups(src, dst):
         if dim in gi:
             real_src = [d for d in gi if d < len(src) and (src[d] != 1 or d == dim)]
             if real_src[0] != dim:

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.passes.tensor_parallel import _POINTWISE, _VIEWS, SECTION, _shape
+from dscompile.passes.tensor_parallel import _POINTWISE, _VIEWS, SECTION, _shape, _view_groups
 from dscompile.runtime.tensor_parallel import sp_gather, sp_reduce_scatter, sp_scatter, tp_copy, tp_reduce
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
@@ -63,30 +63,6 @@ def find_sequence(gm: fx.GraphModule, tp: int) -> SequenceLayout:
     if length % tp:
         log.info("tensor_parallel: sequence_parallel pads %d tokens to %d between blocks", length, -(-length // tp) * tp)
     return SequenceLayout(batch, length, tp)
-
-
-def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """A view's dims in groups of equal products (``[B, S, H] -> [B*S, H]``: ``([0, 1], [0]), ([2], [1])``)."""
-    groups = []
-    i = j = 0
-    while i < len(src) or j < len(dst):
-        gi, gj = [i], [j]
-        a = src[i] if i < len(src) else 1
-        b = dst[j] if j < len(dst) else 1
-        i, j = i + 1, j + 1
-        while a != b:
-            if a < b and i < len(src):
-                a *= src[i]
-                gi.append(i)
-                i += 1
-            elif b < a and j < len(dst):
-                b *= dst[j]
-                gj.append(j)
-                j += 1
-            else:
-                return []
-        groups.append((gi, gj))
-    return groups
 
 
 def _sequence_through_view(src: tuple[int, ...], dst: tuple[int, ...], dim: int, batch: int, seq: SequenceLayout) -> tuple[int, int] | None:
