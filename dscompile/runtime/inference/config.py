@@ -180,13 +180,6 @@ class InferenceConfig:
             raise DSCompileConfigError("min_out_tokens", f"must be between 1 and max_out_tokens ({self.max_out_tokens}), got {self.min_out_tokens}")
         if not self.tensor_parallel.enabled and self.tensor_parallel.tp_size != 1:
             raise DSCompileConfigError("tensor_parallel.tp_size", "given with tensor_parallel.enabled false", "drop one of them")
-        if self.tensor_parallel.tp_size > 1 and self.quant.weight_bits is not None:
-            raise DSCompileNotSupportedError("quant", "weight-only quantization together with tensor-parallel inference (tensor_parallel.tp_size > 1)")
-        if self.tensor_parallel.tp_size > 1 and self.replace_with_kernel_inject:
-            raise DSCompileNotSupportedError(
-                "replace_with_kernel_inject",
-                "the inference fusion passes on tensor-parallel graphs (tensor_parallel.tp_size > 1; they match torch-level ops, the split graphs are ATen)",
-            )
 
 
 def parse_dtype(value: Any) -> torch.dtype:
