@@ -44,13 +44,30 @@ log = logging.getLogger("dscompile.passes.inference_epilogues")
 aten = torch.ops.aten
 # Each set holds the torch-level spellings (a model's Dynamo graph) and the ATen ones (a graph captured
 # with ``torch.export`` and split by tensor parallelism, which Dynamo then traces op by op).
-MATMULS = {torch._C._nn.linear, F.linear, torch.addmm, torch.matmul, operator.matmul, aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
+MATMULS = {
+    torch._C._nn.linear,
+    F.linear,
+    torch.addmm,
+    torch.matmul,
+    operator.matmul,
+    aten.linear.default,
+    aten.addmm.default,
+    aten.mm.default,
+    aten.matmul.default,
+}
 ACTIVATIONS = {
     F.gelu, F.silu, F.relu, torch.relu, torch.sigmoid, torch.tanh, torch.erf, F.sigmoid, F.tanh,
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default, aten.erf.default,
 }  # fmt: skip
 ACTIVATION_METHODS = {"relu", "sigmoid", "tanh", "erf"}
-NORMS = {F.layer_norm, getattr(F, "rms_norm", F.layer_norm), torch.rsqrt, aten.layer_norm.default, aten.rsqrt.default, *([aten.rms_norm.default] if hasattr(aten, "rms_norm") else [])}
+NORMS = {
+    F.layer_norm,
+    getattr(F, "rms_norm", F.layer_norm),
+    torch.rsqrt,
+    aten.layer_norm.default,
+    aten.rsqrt.default,
+    *([aten.rms_norm.default] if hasattr(aten, "rms_norm") else []),
+}
 NORM_METHODS = {"rsqrt"}
 POINTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
