@@ -8,10 +8,15 @@ key/value heads, and the decode graph must be captured once for all the tokens. 
 not divide the heads (6 query heads over 3 KV heads on 2 ranks) is padded and generates the same
 tokens. ``lower: eager`` runs the split graphs op by op (the training
 TP tests compile the same split graphs under Inductor).
+
+With ``quant`` (int8 and int4 weight-only, HF Llama and GPT-2) and with ``replace_with_kernel_inject``, TP=2 is
+compared with the same settings in one process: the same tokens, each rank's dequantized weights the
+single-process ones cut, the split layers' bytes halved, the fused matmuls in each rank's graphs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -123,11 +128,15 @@ def quantized_and_fused(rank: int, world: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     ids, mask = left_padded_batch()
-    for label, bits, groups, q_type in (("int8", 8, 64, "symmetric"), ("int4", 4, 8, "asymmetric")):
+    for label, arch, bits, groups, q_type in (
+        ("int8", "llama", 8, 64, "symmetric"),
+        ("int4", "llama", 4, 8, "asymmetric"),
+        ("gpt2_int8", "gpt2", 8, 64, "symmetric"),
+    ):
         quant = {"enabled": True, "weight": {"num_bits": bits, "q_groups": groups, "q_type": q_type}}
-        single = dscompile.init_inference(tiny("llama"), dtype=torch.float32, max_out_tokens=32, lower="eager", quant=quant)
+        single = dscompile.init_inference(tiny(arch), dtype=torch.float32, max_out_tokens=32, lower="eager", quant=quant)
         ref = single.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
-        engine = dscompile.init_inference(tiny("llama"), dtype=torch.float32, max_out_tokens=32, lower="eager", quant=quant, tensor_parallel={"tp_size": 2})
+        engine = dscompile.init_inference(tiny(arch), dtype=torch.float32, max_out_tokens=32, lower="eager", quant=quant, tensor_parallel={"tp_size": 2})
         got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
         slices = engine.tensor_parallel.slices
         layers: dict[str, Any] = {}
@@ -135,6 +144,8 @@ def quantized_and_fused(rank: int, world: int) -> dict[str, Any]:
             if isinstance(layer, QuantizedLinear):
                 whole = single.module.get_submodule(name)
                 spec = slices.get(f"{name}.weight")
+                if spec is not None and arch == "gpt2":  # Conv1D: the slice's dim counts in [in, out], the packed weight is [out, in]
+                    spec = dataclasses.replace(spec, dim=1 - spec.dim)
                 expected = dequantize(whole.packed) if spec is None else spec.take(dequantize(whole.packed), rank, 2)
                 layers[name] = {
                     "split": spec is not None,
@@ -187,7 +198,8 @@ def quantized_and_fused(rank: int, world: int) -> dict[str, Any]:
 def test_tp2_quantized_and_kernel_inject_match_single_process() -> None:
     """Weight-only int8 / int4 and kernel injection on TP=2 against the same settings in one process.
 
-    Quantized: each rank packs its slices with the full weight's groups (``pack_slice``), so its
+    Quantized (HF Llama int8 and int4, HF GPT-2 int8 through its Conv1D ``addmm``/``mm`` and its tied LM head):
+    each rank packs its slices with the full weight's groups (``pack_slice``), so its
     dequantized weights equal the single-process int8/int4 engine's, cut by the same slices, bit for
     bit; the products differ only by fp32 summation order (the row-parallel all-reduce), so the logits
     agree within 1e-5 and the greedy tokens exactly. int8 with 64 groups: no group crosses a slice, so
@@ -199,17 +211,21 @@ def test_tp2_quantized_and_kernel_inject_match_single_process() -> None:
     """
     results = run_distributed_or_fail(quantized_and_fused, 2, timeout=300)
     for rank, result in enumerate(results):
-        for label in ("int8", "int4"):
+        for label in ("int8", "int4", "gpt2_int8"):
             r = result[label]
             assert r["same_tokens"] and r["logit_err"] <= 1e-5, (rank, label, r["logit_err"])
-            assert r["counts"] == {"linear": 2 * 7 + 1, "embedding": 1, "tied": 0, "sliced": 2 * 7}, r["counts"]
-            assert len(r["layers"]) == 15 and sum(layer["split"] for layer in r["layers"].values()) == 14
+            if label == "gpt2_int8":  # 4 Conv1D per block (addmm, the row-parallel ones mm), wte/wpe whole, the LM head tied to wte
+                assert r["counts"] == {"linear": 8, "embedding": 2, "tied": 1, "sliced": 8}, r["counts"]
+                assert len(r["layers"]) == 8 and all(layer["split"] for layer in r["layers"].values())
+            else:
+                assert r["counts"] == {"linear": 2 * 7 + 1, "embedding": 1, "tied": 0, "sliced": 2 * 7}, r["counts"]
+                assert len(r["layers"]) == 15 and sum(layer["split"] for layer in r["layers"].values()) == 14
             for name, layer in r["layers"].items():
                 assert layer["same_values"] and not layer["float_weight"], (rank, label, name, layer)
                 mine, whole = layer["codes_bytes"]
                 assert mine * (2 if layer["split"] else 1) == whole, (label, name, layer)
             split_bytes = [layer["bytes"] for layer in r["layers"].values() if layer["split"]]
-            if label == "int8":
+            if label != "int4":
                 assert 2 * sum(m for m, _ in split_bytes) == sum(w for _, w in split_bytes), split_bytes
                 assert all(layer["group_size"][0] == layer["group_size"][1] for layer in r["layers"].values())
             else:

@@ -5,8 +5,8 @@ Every key DeepSpeed accepts is accepted here by name (aliases included: ``kernel
 implemented or refused with ``DSCompileNotSupportedError`` naming the key when set to anything but
 its default. Built: ``dtype`` (fp32, fp16, bf16), ``replace_with_kernel_inject`` (the inference
 fusion passes), ``max_out_tokens`` / ``min_out_tokens`` (the static KV cache), ``quant.weight``
-(weight-only int8/int4, grouped, symmetric or asymmetric), ``tensor_parallel.tp_size`` (ranks per model,
-unquantized models).
+(weight-only int8/int4, grouped, symmetric or asymmetric), ``tensor_parallel.tp_size`` (ranks per model;
+with ``quant`` and ``replace_with_kernel_inject`` too, ``passes/inference_tensor_parallel.py``).
 dscompile's own keys: ``lower`` (the lowering of the prefill/decode graphs) and ``dump``.
 """
 
