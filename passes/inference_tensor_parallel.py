@@ -230,7 +230,7 @@ def use_packed_weights(gm: fx.GraphModule, prefix: str, model: nn.Module) -> Non
                 elif user.target is aten.mm.default and user.args[1] is node:
                     new = graph.call_function(packed_linear, (user.args[0], data, scale, zero, None), meta)
                 elif user.target is aten.embedding.default and user.args[0] is node:
-                    dtype = node.meta["val"].dtype if "val" in node.meta else torch.get_default_dtype()
+                    dtype = getattr(layer, "compute_dtype", None) or node.meta["val"].dtype  # the model's dtype, as the packed embedding returns
                     new = graph.call_function(packed_embedding, (data, scale, zero, user.args[1]), {**meta, "dtype": dtype})
                 else:
                     raise DSCompileNotSupportedError(
