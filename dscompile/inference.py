@@ -9,7 +9,9 @@ and decode steps are two compiled graphs and the decode graph compiles once
 (``dscompile.runtime.inference.generation``). With ``replace_with_kernel_inject`` the graphs go
 through the inference fusion passes (``passes/inference_fusion.py``) instead of DeepSpeed's
 per-architecture kernel containers; with ``quant`` the weights are stored packed
-(``dscompile.runtime.inference.weights``).
+(``dscompile.runtime.inference.weights``). Under ``tensor_parallel`` both compose: the fusion passes run on
+each rank's split graph, and the layers are packed at the first split, each rank its slices
+(``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call.
 """
 
 from __future__ import annotations
