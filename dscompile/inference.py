@@ -9,7 +9,9 @@ and decode steps are two compiled graphs and the decode graph compiles once
 (``dscompile.runtime.inference.generation``). With ``replace_with_kernel_inject`` the graphs go
 through the inference fusion passes (``passes/inference_fusion.py``) instead of DeepSpeed's
 per-architecture kernel containers; with ``quant`` the weights are stored packed
-(``dscompile.runtime.inference.weights``).
+(``dscompile.runtime.inference.weights``). Under ``tensor_parallel`` both compose: the fusion passes run on
+each rank's split graph, and the layers are packed at the first split, each rank its slices
+(``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ class InferenceEngine(nn.Module):
         model.to(config.dtype)
         self.quantized_layers: dict[str, int] = {}
         bits = config.quant.weight_bits
-        if bits is not None:
-            weight = config.quant.weight
+        weight = config.quant.weight
+        tp_size = config.tensor_parallel.tp_size if config.tensor_parallel.enabled else 1
+        if bits is not None and tp_size == 1:  # under TP the split packs each rank's slices (passes/inference_tensor_parallel.py)
             self.quantized_layers = quantize_model_weights(model, bits, weight.q_groups, weight.q_type == "symmetric")
         self.module = model
         self.compile_counts = {"forward": 0, "prefill": 0, "decode": 0}
@@ -76,9 +79,10 @@ class InferenceEngine(nn.Module):
         if config.dump:
             self.options["dump"] = config.dump
         self.tensor_parallel: TensorParallelGraphs | None = None
-        tp_size = config.tensor_parallel.tp_size if config.tensor_parallel.enabled else 1
         if tp_size > 1:  # collective: every rank of the world builds its engine together
-            self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph)
+            quant = None if bits is None else (bits, weight.q_groups, weight.q_type == "symmetric")
+            self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant)
+            self.quantized_layers = self.tensor_parallel.quantized_layers  # filled when the first graph splits the model
             self._forward: Callable[..., Any] = TensorParallelForward(self.tensor_parallel)
         else:
             self._forward = torch.compile(model, backend=self._backend("forward"))

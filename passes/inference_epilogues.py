@@ -41,19 +41,45 @@ from dscompile.pipeline import PassContext, register_pass
 
 log = logging.getLogger("dscompile.passes.inference_epilogues")
 
-MATMULS = {torch._C._nn.linear, F.linear, torch.addmm, torch.matmul, operator.matmul}
-ACTIVATIONS = {F.gelu, F.silu, F.relu, torch.relu, torch.sigmoid, torch.tanh, torch.erf, F.sigmoid, F.tanh}
+aten = torch.ops.aten
+# Each set holds the torch-level spellings (a model's Dynamo graph) and the ATen ones (a graph captured
+# with ``torch.export`` and split by tensor parallelism, which Dynamo then traces op by op).
+MATMULS = {
+    torch._C._nn.linear,
+    F.linear,
+    torch.addmm,
+    torch.matmul,
+    operator.matmul,
+    aten.linear.default,
+    aten.addmm.default,
+    aten.mm.default,
+    aten.matmul.default,
+}
+ACTIVATIONS = {
+    F.gelu, F.silu, F.relu, torch.relu, torch.sigmoid, torch.tanh, torch.erf, F.sigmoid, F.tanh,
+    aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default, aten.erf.default,
+}  # fmt: skip
 ACTIVATION_METHODS = {"relu", "sigmoid", "tanh", "erf"}
-NORMS = {F.layer_norm, getattr(F, "rms_norm", F.layer_norm), torch.rsqrt}
+NORMS = {
+    F.layer_norm,
+    getattr(F, "rms_norm", F.layer_norm),
+    torch.rsqrt,
+    aten.layer_norm.default,
+    aten.rsqrt.default,
+    *([aten.rms_norm.default] if hasattr(aten, "rms_norm") else []),
+}
 NORM_METHODS = {"rsqrt"}
 POINTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
     torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.neg, torch.sqrt, torch.exp,
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+    aten.div.Scalar, aten.neg.default, aten.pow.Tensor_Scalar, aten.sqrt.default, aten.exp.default, aten.to.dtype,
+    aten._to_copy.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 }  # fmt: skip
 POINTWISE_METHODS = {"add", "sub", "mul", "div", "pow", "neg", "sqrt", "exp", "to", "float", "type_as", "view", "reshape"}
-REDUCTIONS = {torch.mean}
+REDUCTIONS = {torch.mean, aten.mean.dim}
 REDUCTION_METHODS = {"mean"}
-ADDS = {operator.add, torch.add}
+ADDS = {operator.add, torch.add, aten.add.Tensor}
 REGION_PREFIX = "ds_epilogue_"
 
 

@@ -35,7 +35,11 @@ from dscompile.pipeline import PassContext, register_pass
 
 log = logging.getLogger("dscompile.passes.inference_fusion")
 
-LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
+aten = torch.ops.aten
+
+# the torch-level spellings (a model's own Dynamo graph) and the ATen one (a graph captured with
+# ``torch.export`` and split by tensor parallelism, which Dynamo then traces op by op)
+LINEAR_TARGETS = (torch._C._nn.linear, F.linear, aten.linear.default)
 
 
 def _placeholder_input(gm: torch.fx.GraphModule, node: object, ctx: PassContext) -> tuple[int, torch.Tensor] | None:

@@ -21,6 +21,17 @@ sliced in place, once. What inference adds:
   ``tensor_parallel.tp_size``, never a silent replication.
 - Inputs are broadcast from the TP group's first rank at every step (as in training), so every rank
   runs the same tokens even if sampling drew differently.
+- Weight-only quantization (``quant``) comes after the split, because the split needs the float
+  linears: the captures run on the float stand-in, the pass finds and splits the blocks, and the
+  first split, instead of slicing a quantized layer's float weight, packs this rank's slice
+  (``dscompile.runtime.inference.weights.pack_slice``: the full weight's groups, cut) and swaps the
+  layer for its packed one; the layers left whole are packed whole. Every split graph then reads
+  the packed tensors: each ``linear``/``embedding`` (GPT-2's ``addmm``/``mm``) of a quantized weight
+  becomes ``packed_linear``/``packed_embedding`` (``use_packed_weights``), the float weight leaves
+  the graph. Another op reading a quantized weight is an error naming ``quant``.
+- Kernel injection (``replace_with_kernel_inject``) runs the inference fusion passes on each rank's
+  split graph when it is compiled (they match the ATen spellings the captured graphs hold): Q/K/V and
+  gate/up read the same ``tp_copy`` output and fuse into one matmul over the rank's slices.
 """
 
 from __future__ import annotations
@@ -34,15 +45,17 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from dscompile.errors import DSCompileConfigError
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.passes.tensor_parallel import PartitionConfig, apply_layer_specs, capture, find_blocks, rewrite
 from dscompile.runtime.inference.generation import cache_keyword, kv_heads_and_dim
+from dscompile.runtime.inference.weights import check_q_groups, packed_embedding, packed_linear, packed_storage, quantize_model_weights
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.tensor_parallel import SliceSpec
 
 log = logging.getLogger("dscompile.passes.inference_tensor_parallel")
 
 CompileGraph = Callable[[fx.GraphModule, str], Callable[..., Any]]
+aten = torch.ops.aten
 
 
 class CacheStateModule(nn.Module):
@@ -98,7 +111,7 @@ def stand_in(model: nn.Module) -> nn.Module:
 class TensorParallelGraphs:
     """The TP group, the model's slices, and the split graphs captured so far (one per input shape)."""
 
-    def __init__(self, model: nn.Module, tp_size: int, compile_graph: CompileGraph) -> None:
+    def __init__(self, model: nn.Module, tp_size: int, compile_graph: CompileGraph, quant: tuple[int, int, bool] | None = None) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world % tp_size:
             raise DSCompileConfigError(
@@ -117,6 +130,10 @@ class TensorParallelGraphs:
         self.stand_in = stand_in(model)
         self.slices: dict[str, SliceSpec] | None = None  # the model's parameter slices (fixed by the first capture)
         self.split_blocks: list[dict[str, Any]] = []
+        self.quant = quant  # (bits, q_groups, symmetric): the layers are packed at the first split
+        if quant is not None:
+            check_q_groups(model, quant[1])
+        self.quantized_layers: dict[str, int] = {}
 
     @property
     def group_name(self) -> str:
@@ -149,13 +166,22 @@ class TensorParallelGraphs:
         params = {n[len(prefix) :]: s for n, s in slices.items() if n.startswith(prefix)}
         if self.slices is None:
             with torch.no_grad():
+                packed: set[str] = set()
+                if self.quant is not None:  # from the full weights, before they are sliced
+                    bits, q_groups, symmetric = self.quant
+                    self.quantized_layers.update(quantize_model_weights(self.model, bits, q_groups, symmetric, params, self.groups.tp_rank, self.tp_size))
+                    packed = set(packed_storage(self.model))
                 for pname, spec in params.items():
+                    if pname in packed:
+                        continue
                     p = self.model.get_parameter(pname)
                     p.data = spec.take(p.data, self.groups.tp_rank, self.tp_size).clone()
             self.slices = params
             self.split_blocks = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
         elif params != self.slices:
             raise RuntimeError(f"the {name} graph splits the model differently from the first graph: {sorted(set(params) ^ set(self.slices))}")
+        if self.quant is not None:
+            use_packed_weights(gm, prefix, self.model)
         for pname, _ in list(gm.named_parameters(remove_duplicate=False)):
             _set(gm, pname, self.model.get_parameter(pname[len(prefix) :]))
         for bname, _ in list(gm.named_buffers(remove_duplicate=False)):
@@ -165,6 +191,64 @@ class TensorParallelGraphs:
                 _set(gm, bname, self.model.get_buffer(bname[len(prefix) :]))
         log.info("%s: split %d blocks across %d ranks", name, len(blocks), self.tp_size)
         return self.compile_graph(gm, name)
+
+
+def use_packed_weights(gm: fx.GraphModule, prefix: str, model: nn.Module) -> None:
+    """Every op of ``gm`` reading a weight ``model`` holds packed reads the packed tensors instead.
+
+    ``model``'s packed layers (``packed_storage``) are bound into ``gm`` as buffers; ``linear(x, W, b)``
+    and GPT-2's ``addmm(b, x, W)`` / ``mm(x, W)`` (W stored ``[in, out]``) become ``packed_linear``,
+    ``embedding(W, ids)`` becomes ``packed_embedding``; the float weights (zero-stride stand-ins) leave ``gm``."""
+    storage = packed_storage(model)
+    bound: dict[str, dict[str, Any]] = {}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        name = node.target[len(prefix) :] if node.op == "get_attr" and isinstance(node.target, str) and node.target.startswith(prefix) else None
+        if name not in storage:
+            continue
+        path = storage[name]
+        layer = model.get_submodule(path)
+        if path not in bound:
+            attr = "_packed_" + path.replace(".", "_")
+            tensors = {"data": layer.qweight, "scale": layer.scales, "zero": layer.zeros}
+            for key, tensor in tensors.items():
+                if tensor is not None:
+                    gm.register_buffer(f"{attr}_{key}", tensor, persistent=False)
+            bound[path] = {"attr": attr, "has_zero": layer.zeros is not None}
+        attr, has_zero = bound[path]["attr"], bound[path]["has_zero"]
+        rows, columns = layer.weight_shape
+        meta = {"bits": layer.bits, "group_size": layer.group_size, "rows": rows, "columns": columns}
+        for user in list(node.users):
+            with graph.inserting_before(user):
+                data, scale = graph.get_attr(f"{attr}_data"), graph.get_attr(f"{attr}_scale")
+                zero = graph.get_attr(f"{attr}_zero") if has_zero else None
+                if user.target is aten.linear.default and user.args[1] is node:
+                    bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
+                    new = graph.call_function(packed_linear, (user.args[0], data, scale, zero, bias), meta)
+                elif user.target is aten.addmm.default and user.args[2] is node and not user.kwargs:
+                    new = graph.call_function(packed_linear, (user.args[1], data, scale, zero, user.args[0]), meta)
+                elif user.target is aten.mm.default and user.args[1] is node:
+                    new = graph.call_function(packed_linear, (user.args[0], data, scale, zero, None), meta)
+                elif user.target is aten.embedding.default and user.args[0] is node:
+                    dtype = getattr(layer, "compute_dtype", None) or node.meta["val"].dtype  # the model's dtype, as the packed embedding returns
+                    new = graph.call_function(packed_embedding, (data, scale, zero, user.args[1]), {**meta, "dtype": dtype})
+                else:
+                    raise DSCompileNotSupportedError(
+                        "quant",
+                        f"weight-only quantization under tensor parallelism: {user.format_node()} reads the quantized weight {name} "
+                        "(only linear, addmm/mm and embedding read packed weights)",
+                    )
+            new.meta.update({k: v for k, v in user.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+            user.replace_all_uses_with(new)
+            graph.erase_node(user)
+        graph.erase_node(node)
+    for pname, _ in list(gm.named_parameters(remove_duplicate=False)):  # the float weights of the packed layers (tied names too)
+        if pname.startswith(prefix) and pname[len(prefix) :] in storage:
+            owner, _, leaf = pname.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            module._parameters.pop(leaf, None)
+    graph.lint()
+    gm.recompile()
 
 
 def _set(gm: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -174,10 +174,6 @@ def test_lengths_and_config_refused_clearly() -> None:
         engine.generate(ids, max_new_tokens=1)
     with pytest.raises(DSCompileConfigError, match="exceed max_out_tokens=8"):
         engine.generate(ids[:, :4], max_new_tokens=5)
-    with pytest.raises(DSCompileNotSupportedError, match="'quant'.*tensor-parallel inference"):
-        dscompile.init_inference(model, tensor_parallel={"tp_size": 2}, quant={"enabled": True})
-    with pytest.raises(DSCompileNotSupportedError, match="replace_with_kernel_inject"):
-        dscompile.init_inference(model, tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True)
     with pytest.raises(DSCompileConfigError, match="tensor_parallel.tp_size.*world of 1 process"):
         dscompile.init_inference(model, tensor_parallel={"tp_size": 2})  # one process: no TP group of 2
     with pytest.raises(DSCompileNotSupportedError, match="'mp_size'"):

@@ -8,10 +8,15 @@ key/value heads, and the decode graph must be captured once for all the tokens. 
 not divide the heads (6 query heads over 3 KV heads on 2 ranks) is padded and generates the same
 tokens. ``lower: eager`` runs the split graphs op by op (the training
 TP tests compile the same split graphs under Inductor).
+
+With ``quant`` (int8 and int4 weight-only, HF Llama and GPT-2) and with ``replace_with_kernel_inject``, TP=2 is
+compared with the same settings in one process: the same tokens, each rank's dequantized weights the
+single-process ones cut, the split layers' bytes halved, the fused matmuls in each rank's graphs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -93,3 +98,147 @@ def test_tp2_generation_matches_single_process() -> None:
         u = result["uneven"]
         assert u["same_tokens"] and u["logit_err"] <= 1e-5 and u["cache_heads"] == 2, (rank, u)  # ceil(3 / 2) KV heads per rank
         assert "tensor_parallel.tp_size" in result["error"] and "cannot be split across 2 ranks" in result["error"], result["error"]
+
+
+def _recording_graphs(engine: Any) -> list[tuple[str, torch.fx.GraphModule]]:
+    """The graphs the engine's backend compiles, after dscompile's passes (the passes edit them in place)."""
+    graphs: list[tuple[str, torch.fx.GraphModule]] = []
+    backend = engine._backend
+
+    def recording(name: str) -> Any:
+        inner = backend(name)
+
+        def run(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            compiled = inner(gm, example_inputs)
+            graphs.append((name, gm))
+            return compiled
+
+        return run
+
+    engine._backend = recording
+    return graphs
+
+
+def quantized_and_fused(rank: int, world: int) -> dict[str, Any]:
+    from test_inference import left_padded_batch, tiny
+
+    import dscompile
+    from dscompile.kernels.quantize import dequantize
+    from dscompile.runtime.compression.quantized import QuantizedLinear
+
+    out: dict[str, Any] = {}
+    ids, mask = left_padded_batch()
+    for label, arch, bits, groups, q_type in (
+        ("int8", "llama", 8, 64, "symmetric"),
+        ("int4", "llama", 4, 8, "asymmetric"),
+        ("gpt2_int8", "gpt2", 8, 64, "symmetric"),
+    ):
+        quant = {"enabled": True, "weight": {"num_bits": bits, "q_groups": groups, "q_type": q_type}}
+        single = dscompile.init_inference(tiny(arch), dtype=torch.float32, max_out_tokens=32, lower="eager", quant=quant)
+        ref = single.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
+        engine = dscompile.init_inference(tiny(arch), dtype=torch.float32, max_out_tokens=32, lower="eager", quant=quant, tensor_parallel={"tp_size": 2})
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
+        slices = engine.tensor_parallel.slices
+        layers: dict[str, Any] = {}
+        for name, layer in engine.module.named_modules():
+            if isinstance(layer, QuantizedLinear):
+                whole = single.module.get_submodule(name)
+                spec = slices.get(f"{name}.weight")
+                if spec is not None and arch == "gpt2":  # Conv1D: the slice's dim counts in [in, out], the packed weight is [out, in]
+                    spec = dataclasses.replace(spec, dim=1 - spec.dim)
+                expected = dequantize(whole.packed) if spec is None else spec.take(dequantize(whole.packed), rank, 2)
+                layers[name] = {
+                    "split": spec is not None,
+                    "bytes": (layer.weight_bytes(), whole.weight_bytes()),
+                    "codes_bytes": (layer.qweight.numel() * layer.qweight.element_size(), whole.qweight.numel() * whole.qweight.element_size()),
+                    "group_size": (layer.group_size, whole.group_size),
+                    "same_values": torch.equal(dequantize(layer.packed), expected),
+                    "float_weight": any(n.endswith("weight") for n, _ in layer.named_parameters()),
+                }
+        out[label] = {
+            "same_tokens": torch.equal(got.sequences, ref.sequences),
+            "logit_err": float((torch.stack(got.logits) - torch.stack(ref.logits)).abs().max()),
+            "layers": layers,
+            "counts": dict(engine.quantized_layers),
+            "model_bytes": (engine.model_bytes(), single.model_bytes()),
+        }
+    try:  # q_groups that do not divide a weight: refused at init, as in a single process
+        dscompile.init_inference(tiny("llama"), dtype=torch.float32, quant={"enabled": True, "weight": {"q_groups": 7}}, tensor_parallel={"tp_size": 2})
+        out["groups_error"] = None
+    except dscompile.DSCompileConfigError as exc:
+        out["groups_error"] = str(exc)
+    # kernel injection on the split graphs: fp32, against Hugging Face's eager generate in one process
+    model, single = tiny("llama"), tiny("llama")
+    with torch.no_grad():
+        ref = single.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    engine = dscompile.init_inference(
+        model, dtype=torch.float32, max_out_tokens=32, lower="eager", tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True
+    )
+    graphs = _recording_graphs(engine)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
+    fused: dict[str, Any] = {}
+    for name, gm in graphs:
+        nodes = [n for n in gm.graph.nodes if "inference_fusion" in n.meta.get("dscompile", {})]
+        matmuls = [n for n in nodes if "fused" in n.meta["dscompile"]["inference_fusion"]]
+        fused[name] = {
+            "groups": [len(n.meta["dscompile"]["inference_fusion"]["fused"]) for n in matmuls],
+            "stacked_rows": [tuple(n.args[1].meta["val"].shape) for n in matmuls],
+            "regions": sorted(n.meta["dscompile"]["inference_fusion"]["region"] for n in nodes if "region" in n.meta["dscompile"]["inference_fusion"]),
+        }
+    out["kernel_inject"] = {
+        "same_tokens": torch.equal(got.sequences, ref.sequences),
+        "logit_err": float((torch.stack(got.logits) - torch.stack(ref.logits)).abs().max()),
+        "fused": fused,
+        "compiles": dict(engine.compile_counts),
+    }
+    return out
+
+
+@requires_backend("gloo")
+def test_tp2_quantized_and_kernel_inject_match_single_process() -> None:
+    """Weight-only int8 / int4 and kernel injection on TP=2 against the same settings in one process.
+
+    Quantized (HF Llama int8 and int4, HF GPT-2 int8 through its Conv1D ``addmm``/``mm`` and its tied LM head):
+    each rank packs its slices with the full weight's groups (``pack_slice``), so its
+    dequantized weights equal the single-process int8/int4 engine's, cut by the same slices, bit for
+    bit; the products differ only by fp32 summation order (the row-parallel all-reduce), so the logits
+    agree within 1e-5 and the greedy tokens exactly. int8 with 64 groups: no group crosses a slice, so
+    a split layer holds exactly half the single-process bytes (codes and scales). int4 with 8 groups,
+    asymmetric: the row groups of ``o_proj``/``down_proj`` (whole rows) are cut by the row-parallel
+    split and stored refined (half the size, the same scales). Kernel injection: Q/K/V and gate/up fused
+    into one matmul over the rank's stacked slices in every graph (forward is not called here: prefill,
+    decode), the epilogue regions grouped, tokens those of Hugging Face's eager generate.
+    """
+    results = run_distributed_or_fail(quantized_and_fused, 2, timeout=300)
+    for rank, result in enumerate(results):
+        for label in ("int8", "int4", "gpt2_int8"):
+            r = result[label]
+            assert r["same_tokens"] and r["logit_err"] <= 1e-5, (rank, label, r["logit_err"])
+            if label == "gpt2_int8":  # 4 Conv1D per block (addmm, the row-parallel ones mm), wte/wpe whole, the LM head tied to wte
+                assert r["counts"] == {"linear": 8, "embedding": 2, "tied": 1, "sliced": 8}, r["counts"]
+                assert len(r["layers"]) == 8 and all(layer["split"] for layer in r["layers"].values())
+            else:
+                assert r["counts"] == {"linear": 2 * 7 + 1, "embedding": 1, "tied": 0, "sliced": 2 * 7}, r["counts"]
+                assert len(r["layers"]) == 15 and sum(layer["split"] for layer in r["layers"].values()) == 14
+            for name, layer in r["layers"].items():
+                assert layer["same_values"] and not layer["float_weight"], (rank, label, name, layer)
+                mine, whole = layer["codes_bytes"]
+                assert mine * (2 if layer["split"] else 1) == whole, (label, name, layer)
+            split_bytes = [layer["bytes"] for layer in r["layers"].values() if layer["split"]]
+            if label != "int4":
+                assert 2 * sum(m for m, _ in split_bytes) == sum(w for _, w in split_bytes), split_bytes
+                assert all(layer["group_size"][0] == layer["group_size"][1] for layer in r["layers"].values())
+            else:
+                refined = {n.split(".", 3)[-1] for n, layer in r["layers"].items() if layer["group_size"][0] < layer["group_size"][1]}
+                assert refined == {"self_attn.o_proj", "mlp.down_proj"}, refined
+        mine, whole = result["int8"]["model_bytes"]
+        assert mine < 0.7 * whole, (mine, whole)  # the split layers halve; embedding, LM head and norms stay whole
+        assert "quant.weight.q_groups" in result["groups_error"], result["groups_error"]
+        k = result["kernel_inject"]
+        assert k["same_tokens"] and k["logit_err"] <= 1e-5, (rank, k["logit_err"])
+        assert set(k["fused"]) == {"prefill", "decode"} and k["compiles"] == {"forward": 0, "prefill": 1, "decode": 1}, k
+        for name, graph in k["fused"].items():
+            assert graph["groups"] == [3, 2, 3, 2], (name, graph)  # per layer: q/k/v, then gate/up
+            # stacked rows of the rank's slices: q 16 + k 8 + v 8 (half of 4 heads / 2 KV heads of 8), gate 32 + up 32
+            assert graph["stacked_rows"] == [(32, 32), (64, 32)] * 2, (name, graph)
+            assert graph["regions"] == ["bias_activation"] * 2 + ["residual_norm"] * 4, (name, graph)

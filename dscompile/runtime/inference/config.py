@@ -5,8 +5,8 @@ Every key DeepSpeed accepts is accepted here by name (aliases included: ``kernel
 implemented or refused with ``DSCompileNotSupportedError`` naming the key when set to anything but
 its default. Built: ``dtype`` (fp32, fp16, bf16), ``replace_with_kernel_inject`` (the inference
 fusion passes), ``max_out_tokens`` / ``min_out_tokens`` (the static KV cache), ``quant.weight``
-(weight-only int8/int4, grouped, symmetric or asymmetric), ``tensor_parallel.tp_size`` (ranks per model,
-unquantized models).
+(weight-only int8/int4, grouped, symmetric or asymmetric), ``tensor_parallel.tp_size`` (ranks per model;
+with ``quant`` and ``replace_with_kernel_inject`` too, ``passes/inference_tensor_parallel.py``).
 dscompile's own keys: ``lower`` (the lowering of the prefill/decode graphs) and ``dump``.
 """
 
@@ -180,13 +180,6 @@ class InferenceConfig:
             raise DSCompileConfigError("min_out_tokens", f"must be between 1 and max_out_tokens ({self.max_out_tokens}), got {self.min_out_tokens}")
         if not self.tensor_parallel.enabled and self.tensor_parallel.tp_size != 1:
             raise DSCompileConfigError("tensor_parallel.tp_size", "given with tensor_parallel.enabled false", "drop one of them")
-        if self.tensor_parallel.tp_size > 1 and self.quant.weight_bits is not None:
-            raise DSCompileNotSupportedError("quant", "weight-only quantization together with tensor-parallel inference (tensor_parallel.tp_size > 1)")
-        if self.tensor_parallel.tp_size > 1 and self.replace_with_kernel_inject:
-            raise DSCompileNotSupportedError(
-                "replace_with_kernel_inject",
-                "the inference fusion passes on tensor-parallel graphs (tensor_parallel.tp_size > 1; they match torch-level ops, the split graphs are ATen)",
-            )
 
 
 def parse_dtype(value: Any) -> torch.dtype:
