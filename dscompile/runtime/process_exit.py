@@ -6,18 +6,28 @@ finalization then destroys them without the GIL and the rank can abort with "ter
 without an active exception" after its training finished (pytorch#190489). An ``atexit`` handler
 destroys the group while the interpreter is whole. It is skipped after an uncaught exception: peers
 may still be inside a collective with this rank, and destroying the group then can hang instead of exit.
+
+Destroying is not enough while anything still references the group (an engine in a script's globals does):
+its worker threads live on into finalization. A worker that has just finished the script's last
+asynchronous collective then drops the work's tensors, whose Python objects need the GIL, and a thread
+taking the GIL during finalization is killed by a forced unwind: "terminate called without an active
+exception", SIGABRT (seen in a core dump: ``ProcessGroupGloo::runLoop`` → ``~AsyncAllreduceWork`` →
+``THPVariable_clear`` → ``take_gil`` → ``pthread_exit``). So the handler first releases the GIL for a moment
+(``SETTLE_S``), letting such a worker finish while the interpreter is whole.
 """
 
 from __future__ import annotations
 
 import atexit
 import sys
+import time
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
 _state = {"registered": False, "failed": False}
+SETTLE_S = 0.3  # seconds the exit handler sleeps (GIL released) before destroying the groups
 
 
 def init_process_group(**kwargs: Any) -> None:
@@ -38,4 +48,5 @@ def init_process_group(**kwargs: Any) -> None:
 
 def destroy_at_exit() -> None:
     if not _state["failed"] and dist.is_available() and dist.is_initialized():
+        time.sleep(SETTLE_S)  # the group's workers drop their last works' tensors while the GIL can still be taken
         dist.destroy_process_group()
