@@ -968,10 +968,12 @@ def check_layer_specs(plan_slices: dict[str, SliceSpec], summed: set[str], pc: P
         if spec.shape is not None:
             parts = spec.shape[sliced.dim]
             found = list(sliced.sections) if sliced.sections else sliced.blocks
-            if isinstance(parts, int):  # equal parts
-                agrees = parts == (len(sliced.sections) if sliced.sections and len(set(sliced.sections)) == 1 else sliced.blocks if not sliced.sections else -1)
-            else:
-                agrees = parts == found or (not sliced.sections and len(set(parts)) == 1 and len(parts) == sliced.blocks)
+            count = len(sliced.sections) or sliced.blocks  # the graph's parts, and whether they are equal
+            equal = len(set(sliced.sections)) <= 1
+            if isinstance(parts, int):  # a number of equal parts
+                agrees = equal and parts == count
+            else:  # the parts' sizes (equal blocks have no sizes recorded: only their number and equality can agree)
+                agrees = parts == found if sliced.sections else len(set(parts)) == 1 and len(parts) == count
             if not agrees:
                 what = f"pattern {pattern!r} gives {name} the parts {parts}, the graph splits it as {found} part(s)"
                 raise DSCompileConfigError(key, what, "fix shape, or drop it: the graph finds the parts")
