@@ -89,7 +89,7 @@ def _dtensor_model(model: Any, tp: int) -> Any:
     return model
 
 
-def _deepspeed_autotp_model(model: Any, tp: int, lr: float, batch: int) -> Any:
+def _deepspeed_autotp_engine(model: Any, tp: int, lr: float, batch: int) -> Any:
     """DeepSpeed's AutoTP training (``tensor_parallel.autotp_size``) with the same split named by
     ``partition_config.layer_specs``; AutoTP divides the attention's ``n_heads`` itself, not ``n_kv_heads``."""
     import deepspeed
@@ -120,26 +120,19 @@ def run_variant(rank: int, world: int, variant: str, sizes: dict[str, int], step
     model = case.model
     full = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     lr = 0.01
-    if variant.startswith("dscompile"):
-        tc = {"autotp_size": world, "vocab_parallel_lm_head": variant == "dscompile vocab", "tp_overlap_comm": variant == "dscompile overlap"}
-        engine, *_ = dscompile.initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": lr}}, "tensor_parallel": tc})
+    if variant.startswith("dscompile") or variant == "deepspeed autotp":  # engines: engine(batch), backward, step
+        if variant == "deepspeed autotp":
+            engine = _deepspeed_autotp_engine(model, world, lr, sizes["batch_size"])
+            model = engine.module
+        else:
+            tc = {"autotp_size": world, "vocab_parallel_lm_head": variant == "dscompile vocab", "tp_overlap_comm": variant == "dscompile overlap"}
+            engine, *_ = dscompile.initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": lr}}, "tensor_parallel": tc})
 
         def step(batch: tuple) -> float:
             loss = engine(*batch)
             engine.backward(loss)
             engine.step()
             return float(loss.detach())
-    elif variant == "deepspeed autotp":
-        model = _deepspeed_autotp_model(model, world, lr, sizes["batch_size"])
-        engine = model
-
-        def step(batch: tuple) -> float:
-            loss = engine(*batch)
-            engine.backward(loss)
-            engine.step()
-            return float(loss.detach())
-
-        model = engine.module
     else:
         model = _dtensor_model(model, world)
         run = torch.compile(model) if variant == "dtensor compiled" else model
