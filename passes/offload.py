@@ -17,7 +17,9 @@ How each key is used:
 - ``nvme_path``: the directory (it must exist); each rank writes ``nvme_path/rank_N/tile_*.swp``.
 - ``ratio``: the fraction of the shard elements offloaded (in parameter order); the rest is stepped on
   the device (DeepSpeed's Twin-Flow).
-- ``buffer_count``: NVMe tile buffers alive during the step (read-ahead plus write-behind); at least 1.
+- ``buffer_count``: NVMe tile buffers alive during the step (read-ahead plus write-behind); at least 1. The
+  first ``buffer_count`` tiles are read from the forward of the micro-step that ends a batch on
+  (``OptimizerOffload.before_forward``), so those reads overlap the forward and backward.
 - ``pipeline_read`` / ``pipeline_write``: read tiles ahead / write them back while the next tile is
   stepped; false waits for each read / write (DeepSpeed's meaning). dscompile pipelines by default
   (DeepSpeed's defaults are false; results are identical either way).
@@ -209,8 +211,9 @@ class OptimizerOffload(EngineExtension):
             preallocate_states=not oc.fast_init,
             host_threads=host_threads_from_fraction(oc.cpuadam_cores_perc),
             verify_reads=bool(self.config.debug),
-            # offload_param releases the shards' storage between uses: the host masters must be copies
-            separate_master=self.zc.offload_param is not None and self.zc.offload_param.enabled,
+            # offload_param releases the shards' storage between uses: cpu offload steps every master at once, outside
+            # the shards' residency, so its masters must be copies; NVMe steps each tile with its shards resident.
+            separate_master=oc.device == "cpu" and self.zc.offload_param is not None and self.zc.offload_param.enabled,
             **aio_settings(self.config),
         )
         chosen = [shards[name] for name in self.plan.offloaded_names]
@@ -218,6 +221,11 @@ class OptimizerOffload(EngineExtension):
         # device->host gradient copies start from backward, on the micro-step that ends a batch
         self.optimizer.copy_gradients_during_backward(engine.is_gradient_accumulation_boundary)
         engine.optimizer = self.optimizer
+
+    def before_forward(self, engine: EngineCore) -> None:
+        """NVMe: the micro-step that ends a batch starts reading the first tiles, so the reads overlap its forward and backward."""
+        if self.optimizer is not None and engine.is_gradient_accumulation_boundary():
+            self.optimizer.prefetch()
 
     def counters(self) -> dict[str, Any]:
         return self.optimizer.counters() if self.optimizer is not None else {}

@@ -88,6 +88,14 @@ def param_matrix_rank(rank: int, world: int, precision: str, root: str, lower: s
             entry["offloaded"] = len(store.indices)
             # The files hold the current shard values (those the step just wrote back), byte for byte.
             entry["files_match"] = all(torch.equal(store.read_value(i), _shard_value(engine, store, i)) for i in store.indices)
+        opt_ext = engine.extension("zero_offload")
+        if opt_ext is not None and opt_ext.optimizer is not None and opt_ext.optimizer.swap is not None:
+            opt = opt_ext.optimizer
+            entry["optimizer_files"] = {
+                "masters_in_files": opt.masters_in_files,
+                "bytes": opt.swap_file_bytes(),
+                "states_only": sum(2 * align_up(4 * p.numel) for p in opt.pieces),  # exp_avg + exp_avg_sq, no fp32 master
+            }
         losses += _train(engine, case, rank, steps - 2)
         entry["losses"] = losses
         entry["steps"] = steps
@@ -155,6 +163,9 @@ def _check_matrix(results: list[dict[str, Any]], precision: str, lower: str) -> 
         for name in [n for n in runs if n.startswith("nvme")]:
             got = runs[name]
             assert got["file_bytes"] == got["expected_file_bytes"] == got["shard_payload"] > 0
+            if "optimizer_files" in got:  # each shard once on disk: its parameter file is the optimizer's fp32 master
+                files = got["optimizer_files"]
+                assert not files["masters_in_files"] and files["bytes"] == files["states_only"] > 0, files
             # after the first step the reads run ahead of the graphs: nearly every load finds its read started
             assert got["counters"]["param_prefetch_hits"] >= len(got["order"]) * (got["steps"] - 2), got["counters"]
 

@@ -235,11 +235,9 @@ class ZeroExtension(EngineExtension):
         if zc.stage >= 2 and not keep_optimizer_object:
             engine.compile_target = ZeroModule(engine.module, self.partition)  # type: ignore[attr-defined]
         if engine.optimizer is not None:
-            # NVMe offload steps tiles of the shards and promises bitwise equality with no offload; the fused
-            # kernel rounds by the position within a tensor, so it is kept off there. cpu offload steps whole
-            # shards, so its host step keeps torch's fused CPU AdamW (the fast one) and stays bitwise equal.
-            tiled = zc.offload_optimizer is not None and zc.offload_optimizer.enabled and zc.offload_optimizer.device == "nvme"
-            sharded = shard_optimizer(engine.optimizer, self.partition, fuse=not tiled)
+            # Offloaded host steps keep torch's fused CPU AdamW (the fast one) and stay bitwise equal to no offload:
+            # cpu offload steps whole shards, NVMe tiles cut shards only at vector-aligned positions (CUT_ELEMENTS).
+            sharded = shard_optimizer(engine.optimizer, self.partition)
             if keep_optimizer_object and type(sharded) is type(engine.optimizer):
                 take_param_groups(engine.optimizer, sharded)
             else:

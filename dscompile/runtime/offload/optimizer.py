@@ -17,13 +17,21 @@ this class is that optimizer, so the engine, LR schedulers and checkpoints see t
   is copied. Masters are fp32 whatever the shard's dtype (DeepSpeed's fp32 master weights;
   dscompile's shards are fp32 already under ``bf16``/``fp16``, the graphs cast);
 - ``device: nvme``: the offloaded elements are cut into tiles of ``sub_group_size`` elements; each tile
-  is one file under ``nvme_path/rank_N`` holding its masters and every element-wise optimizer state.
-  The step reads tile t+1 while stepping tile t and writes tile t back while stepping t+1
-  (``buffer_count`` tile buffers in flight); the buffers are freed after the step, so between steps the
-  states are on disk only. Scalar states (Adam's ``step``) stay in memory.
+  is one file under ``nvme_path/rank_N`` holding every element-wise optimizer state of its pieces, and
+  their fp32 masters where those are separate from the shards (an accelerator run, or ``separate_master``).
+  Where the shard is itself an fp32 host tensor (a CPU-only run; with ``offload_param`` the shard made
+  resident from its own swap file) it is its own master: a second copy on disk would only be read and
+  written back each step, so the files hold the states alone. Tiles are cut at multiples of
+  ``CUT_ELEMENTS`` within each shard, so a fused kernel (torch's fused CPU AdamW, which rounds by the
+  position within a vector) steps every element as it would step the whole shard. The step reads tile t+1
+  while stepping tile t and writes tile t back while stepping t+1 (``buffer_count`` tile buffers in flight).
+  The first tiles are read ahead of the step, from the forward of the micro-step that ends a batch
+  (``prefetch``), and the last writes finish behind it, during the next forward; a tile is never read
+  before its write has finished. Between steps no buffer is kept: the states are on disk only. Scalar
+  states (Adam's ``step``) stay in memory.
 
 Swapping is lossless: the host step runs the same implementation as the un-offloaded step (the user's
-``foreach``/``fused`` flags; torch's default on CPU is its per-tensor loop), so on a CPU-only machine
+``foreach``/``fused`` flags, or the fused kernel ZeRO picks when they are left open), so on a CPU-only machine
 training with and without offload is bitwise equal (``tests/test_zero_offload.py``); an accelerator run
 steps on the host instead of the device, equal to rounding. A shard changed outside the optimizer (a checkpoint load) is noticed
 through its version counter and its master refreshed before the next step.
@@ -48,6 +56,10 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.offload.swap import ALIGN, SwapDirectory, align_up, aligned_buffer
 
 log = logging.getLogger("dscompile.offload")
+
+CUT_ELEMENTS = 64
+"""Tiles cut a shard only at multiples of this many elements from its start: wider than any CPU's vector of
+fp32 (16 with AVX-512, 64 with 2048-bit SVE), so vectorized kernels see the same lanes as over the whole shard."""
 
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Group keys that pick an implementation, not a hyper-parameter: not copied onto the inner optimizers at each step."""
@@ -177,6 +189,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._copied: dict[int, tuple[torch.Tensor, int]] = {}
         """Shard index -> (the gradient copied to the host during backward, its version then)."""
         self.gradient_copies = {"during_backward": 0, "at_step": 0}
+        self.masters_in_files = True  # nvme: False where each shard is its own fp32 master (the files hold states only)
+        self._prefetched: deque[tuple[int, torch.Tensor, Future[None] | None]] = deque()
+        """Tiles read ahead of the step (``prefetch``): (tile index, its buffer, the read)."""
+        self._pending_writes: list[Future[None]] = []
+        """The last tiles' writes, finishing behind the step (each holds its buffer until done)."""
+        self.prefetched_tiles = 0
         self._copy_hooks: list[Any] = []
         # offload_param: a context manager making the given shards' values resident (their storage is released
         # between uses); the step holds only the shards of the tile it steps.
@@ -257,14 +275,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             path.unlink(missing_ok=True)
         if stale:
             log.info("NVMe offload: removed %d swap file(s) of an earlier run from %s", len(stale), self.swap.root)
-        tile_elements = max(1, int(s.tile_elements))
+        self.masters_in_files = s.separate_master or not all(
+            self.shards[i].device.type == "cpu" and self.shards[i].dtype == torch.float32 and self.shards[i].is_contiguous() for i in self.offloaded
+        )
+        tile_elements = max(CUT_ELEMENTS, int(s.tile_elements))
         current: list[_Piece] = []
         filled = 0
         for i in self.offloaded:
             shard = self.shards[i]
             start = 0
             while start < shard.numel():
-                stop = min(shard.numel(), start + tile_elements - filled)
+                room = tile_elements - filled
+                stop = shard.numel() if shard.numel() - start <= room else start + room // CUT_ELEMENTS * CUT_ELEMENTS
+                if stop == start:  # too little room left for an aligned cut: the piece starts the next tile
+                    self.tiles.append(_Tile(f"tile_{len(self.tiles):05d}.swp", current))
+                    current, filled = [], 0
+                    continue
                 current.append(_Piece(i, start, stop, group_of[id(shard)], nn.Parameter(torch.empty(0, dtype=torch.float32))))
                 filled += stop - start
                 start = stop
@@ -279,13 +305,21 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._lay_out(tile)
         for tile in self.tiles:  # write the masters now (and zeroed states: a full disk shows here, not mid-training)
             buf = aligned_buffer(tile.nbytes if s.preallocate_states else tile.master_bytes)
+            if not buf.numel():
+                continue  # fast_init and no masters in the files: each file is written at the first step
             buf.zero_()
             for j, piece in enumerate(tile.pieces):
-                self._segment(buf, tile, 0, j, torch.float32).copy_(self.shards[piece.shard].detach().reshape(-1)[piece.start : piece.stop])
+                if self.masters_in_files:
+                    self._segment(buf, tile, 0, j, torch.float32).copy_(self.shards[piece.shard].detach().reshape(-1)[piece.start : piece.stop])
             self.swap.wait(self.swap.write(tile.name, buf))
 
+    @property
+    def _first_state_slot(self) -> int:
+        """Slot 0 of a tile holds the masters when they are in the files; the element-wise states follow."""
+        return 1 if self.masters_in_files else 0
+
     def _lay_out(self, tile: _Tile) -> None:
-        slot_count = 1 + max((len(self.slots[p.group]) for p in tile.pieces), default=0)
+        slot_count = self._first_state_slot + max((len(self.slots[p.group]) for p in tile.pieces), default=0)
         offset = 0
         tile.offsets = []
         for slot in range(slot_count):
@@ -294,9 +328,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 row.append(offset)
                 offset += align_up(piece.numel * 4)
             tile.offsets.append(row)
-            if slot == 0:
+            if slot == 0 and self.masters_in_files:
                 tile.master_bytes = offset
         tile.nbytes = offset
+
+    def _state_segments(self, piece: _Piece) -> Iterator[tuple[int, str, torch.dtype]]:
+        """(slot, state name, dtype) of each element-wise state of ``piece`` in its tile."""
+        for k, (name, dtype) in enumerate(self.slots[piece.group], start=self._first_state_slot):
+            yield k, name, dtype
 
     @staticmethod
     def _segment(buf: torch.Tensor, tile: _Tile, slot: int, j: int, dtype: torch.dtype) -> torch.Tensor:
@@ -386,24 +425,66 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if copies and torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def _read_depth(self) -> int:
+        """Tile buffers alive at once: ``buffer_count`` (at least 1)."""
+        return max(1, self.settings.buffer_count)
+
+    def _start_read(self, t: int, buf: torch.Tensor | None = None) -> tuple[int, torch.Tensor, Future[None] | None]:
+        """Read what tile ``t``'s step needs into a buffer: its states once they exist, and its masters where the
+        files hold them (nothing at all before the first step when the shards are their own masters)."""
+        assert self.swap is not None
+        tile = self.tiles[t]
+        if buf is None:
+            buf = aligned_buffer(self._buffer_bytes(), self.settings.pin_memory)
+        wanted = tile.nbytes if any(p.initialized for p in tile.pieces) else tile.master_bytes
+        return t, buf, (self.swap.read(tile.name, buf[:wanted]) if wanted else None)
+
+    def _buffer_bytes(self) -> int:
+        return max(ALIGN, max(t.nbytes for t in self.tiles))
+
+    def prefetch(self) -> None:
+        """Read the first tiles ahead of the step (the engine calls this as the micro-step that ends a batch begins,
+        so the reads overlap its forward and backward). A no-op without NVMe, or when they are already in flight."""
+        if self.swap is None or self._prefetched or not self.tiles:
+            return
+        self._retire_writes()  # a tile is read only after its last write has landed
+        depth = self._read_depth() if self.settings.pipeline_read else 1
+        for t in range(min(depth, len(self.tiles))):
+            self._prefetched.append(self._start_read(t))
+        self.prefetched_tiles += len(self._prefetched)
+
+    def _retire_writes(self) -> None:
+        """Wait for the writes left finishing behind the last step (their errors, naming the file, are raised here)."""
+        assert self.swap is not None
+        pending, self._pending_writes = self._pending_writes, []
+        for fut in pending:
+            self.swap.wait(fut)
+
+    def _drop_prefetched(self) -> None:
+        """Forget tiles read ahead (their files are about to be rewritten from elsewhere: a checkpoint load)."""
+        assert self.swap is not None
+        prefetched, self._prefetched = self._prefetched, deque()
+        for _, _, fut in prefetched:
+            if fut is not None:
+                with contextlib.suppress(Exception):
+                    fut.result()
+
     def _step_nvme(self) -> None:
         """Tile by tile: read ahead, step, write behind, with at most ``buffer_count`` tile buffers alive."""
         assert self.swap is not None and self.host_opt is not None
         s = self.settings
         swap = self.swap
-        size = max(t.nbytes for t in self.tiles)
-        free = [aligned_buffer(size, s.pin_memory) for _ in range(max(1, s.buffer_count))]
-        reads: deque[tuple[int, torch.Tensor, Future[None]]] = deque()
+        self._retire_writes()
+        reads: deque[tuple[int, torch.Tensor, Future[None] | None]] = self._prefetched
+        self._prefetched = deque()
+        free = [aligned_buffer(self._buffer_bytes(), s.pin_memory) for _ in range(self._read_depth() - len(reads))]
         writes: deque[tuple[torch.Tensor, Future[None]]] = deque()
-        next_read = 0
+        next_read = len(reads)
 
         def issue(limit: int) -> None:
             nonlocal next_read
             while next_read < len(self.tiles) and free and len(reads) < limit:
-                tile = self.tiles[next_read]
-                buf = free.pop()
-                wanted = tile.nbytes if any(p.initialized for p in tile.pieces) else tile.master_bytes
-                reads.append((next_read, buf, swap.read(tile.name, buf[:wanted])))
+                reads.append(self._start_read(next_read, free.pop()))
                 next_read += 1
 
         def retire_write() -> None:
@@ -411,6 +492,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             swap.wait(fut)
             free.append(buf)
 
+        # offload_param: a shard is made resident (read from its file) once for the run of consecutive tiles that cut it,
+        # and written back after the last of them, not once per tile.
+        held: dict[int, contextlib.ExitStack] = {}
         try:
             for t in range(len(self.tiles)):
                 issue(len(self.tiles) if s.pipeline_read else 1)
@@ -419,18 +503,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     issue(1)
                 index, buf, fut = reads.popleft()
                 assert index == t
-                swap.wait(fut)
-                with self._resident(sorted({p.shard for p in self.tiles[t].pieces})):
-                    self._step_tile(self.tiles[t], buf)
+                if fut is not None:
+                    swap.wait(fut)
+                for i in sorted({p.shard for p in self.tiles[t].pieces} - held.keys()):
+                    held[i] = contextlib.ExitStack()
+                    held[i].enter_context(self._resident([i]))
+                self._step_tile(self.tiles[t], buf)
                 writes.append((buf, swap.write(self.tiles[t].name, buf[: self.tiles[t].nbytes])))
+                following = {p.shard for p in self.tiles[t + 1].pieces} if t + 1 < len(self.tiles) else set()
+                for i in [i for i in held if i not in following]:
+                    held.pop(i).close()
                 if not s.pipeline_write:
                     retire_write()
-            while writes:
-                retire_write()
+            # The last writes finish behind the step; only their futures are kept, so each buffer is freed when its write is done.
+            self._pending_writes = [fut for _, fut in writes]
+            writes.clear()
         finally:
+            for stack in held.values():
+                stack.close()
             for _, _, fut in reads:
-                fut.cancel()
-            for _, fut in writes:
+                if fut is not None:
+                    fut.cancel()
+            for _, fut in writes:  # an error mid-step: let the writes already issued land before reporting it
                 with contextlib.suppress(Exception):
                     fut.result()
             for piece in self.pieces:
@@ -440,13 +534,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         assert self.host_opt is not None
         for j, piece in enumerate(tile.pieces):
             shard = self.shards[piece.shard]
-            master = self._segment(buf, tile, 0, j, torch.float32)
-            if self._stale(piece):
-                master.copy_(shard.detach().reshape(-1)[piece.start : piece.stop])
+            own = shard.detach().reshape(-1)[piece.start : piece.stop]
+            if self.masters_in_files:
+                master = self._segment(buf, tile, 0, j, torch.float32)
+                if self._stale(piece):
+                    master.copy_(own)
+            else:
+                master = own  # the shard is its own fp32 master: stepped in place
             piece.master.data = master
             state = self.host_opt.state[piece.master]
             if piece.initialized:
-                for k, (name, dtype) in enumerate(self.slots[piece.group], start=1):
+                for k, name, dtype in self._state_segments(piece):
                     state[name] = self._segment(buf, tile, k, j, dtype)
             grad = shard.grad
             piece.master.grad = None if grad is None else grad.detach().reshape(-1)[piece.start : piece.stop].to("cpu", torch.float32)
@@ -460,12 +558,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for j, piece in enumerate(tile.pieces):
             state = self.host_opt.state[piece.master]
             if not piece.initialized and state:
-                for k, (name, dtype) in enumerate(self.slots[piece.group], start=1):
+                for k, name, dtype in self._state_segments(piece):
                     self._segment(buf, tile, k, j, dtype).copy_(state[name])  # states created at this first step
                 piece.initialized = True
-            if piece.master.grad is not None:
+            if piece.master.grad is not None and self.masters_in_files:
                 self.shards[piece.shard].reshape(-1)[piece.start : piece.stop].copy_(piece.master)
-            piece.master.grad = None
+            self._unbind(piece)  # no view of the tile buffer or of a shard made resident for this tile outlives it
 
     def _unbind(self, piece: _Piece) -> None:
         """Drop the views into a tile buffer: between steps only scalar states stay in memory."""
@@ -481,6 +579,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _nvme_states(self) -> dict[int, dict[str, Any]]:
         """Every offloaded shard's states read back from its tiles (whole tensors in memory, for a checkpoint)."""
         assert self.swap is not None and self.host_opt is not None
+        self._retire_writes()
         parts: dict[int, dict[str, list[torch.Tensor]]] = {}
         scalars: dict[int, dict[str, Any]] = {}
         complete: dict[int, bool] = {}
@@ -495,7 +594,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 complete[piece.shard] = complete.get(piece.shard, True) and piece.initialized
                 if not piece.initialized:
                     continue
-                for k, (name, dtype) in enumerate(self.slots[piece.group], start=1):
+                for k, name, dtype in self._state_segments(piece):
                     parts.setdefault(piece.shard, {}).setdefault(name, []).append(self._segment(buf, tile, k, j, dtype).clone())
                 state = self.host_opt.state.get(piece.master, {})
                 scalars.setdefault(piece.shard, {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
@@ -564,12 +663,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _load_nvme(self, states: dict[int, dict[str, Any]]) -> None:
         assert self.swap is not None and self.host_opt is not None
+        self._drop_prefetched()
+        self._retire_writes()
         for tile in self.tiles:
             buf = aligned_buffer(tile.nbytes)
             buf.zero_()
             for j, piece in enumerate(tile.pieces):
                 shard = self.shards[piece.shard]
-                self._segment(buf, tile, 0, j, torch.float32).copy_(shard.detach().reshape(-1)[piece.start : piece.stop])
+                if self.masters_in_files:
+                    self._segment(buf, tile, 0, j, torch.float32).copy_(shard.detach().reshape(-1)[piece.start : piece.stop])
                 entry = states.get(piece.shard)
                 state = self.host_opt.state[piece.master]
                 state.clear()
@@ -577,7 +679,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if not entry:
                     continue
                 slots = dict(self.slots[piece.group])
-                for k, (name, dtype) in enumerate(self.slots[piece.group], start=1):
+                for k, name, dtype in self._state_segments(piece):
                     self._segment(buf, tile, k, j, dtype).copy_(entry[name].reshape(-1)[piece.start : piece.stop])
                 state.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items() if k not in slots})
             self.swap.wait(self.swap.write(tile.name, buf))
@@ -594,6 +696,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self.swap is not None:
             out.update(
                 tiles=len(self.tiles),
+                prefetched_tiles=self.prefetched_tiles,
+                masters_in_files=self.masters_in_files,
                 bytes_read=self.swap.bytes_read,
                 bytes_written=self.swap.bytes_written,
                 io_wait_seconds=self.swap.wait_seconds,
@@ -603,8 +707,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return out
 
     def swap_file_bytes(self) -> int:
-        """Bytes of this rank's swap files on disk (0 without NVMe)."""
-        return sum(self.swap.file_bytes().values()) if self.swap is not None else 0
+        """Bytes of this rank's tile files on disk (0 without NVMe), once the writes behind the last step have landed
+        (``offload_param`` may keep its shard files in the same directory: those are not counted)."""
+        if self.swap is None:
+            return 0
+        self._retire_writes()
+        tiles = {tile.name for tile in self.tiles}
+        return sum(size for name, size in self.swap.file_bytes().items() if name in tiles)
 
     def expected_swap_bytes(self) -> int:
         """What the swap files hold once every state exists: masters plus each element-wise state, segments padded to 4 KiB."""
