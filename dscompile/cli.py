@@ -254,6 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ratio=float(zc.offload_optimizer.ratio),
             limit=int(zc.offload_memory_limit),
             host_is_device=host_is_device,
+            sub_group_size=zc.sub_group_size,
+            buffer_count=zc.offload_optimizer.buffer_count,
         )
     if param_offload:  # the engine's order: the optimizer's plan first, the shards then fill what is left under the limit
         op = zc.offload_param

@@ -17,6 +17,10 @@ it sets the read-ahead distance (how many shards are read ahead of their all-gat
 graphs use them) from ``buffer_count``, capped so the shards in flight stay within ``buffer_count x
 buffer_size`` and ``max_in_cpu`` elements (at least one shard is always read).
 
+For NVMe it also sizes the swap tiles (``nvme_tile_elements``) when ``sub_group_size`` is not given:
+large enough that each tile's read and write is many ``block_size`` calls, small enough that the
+``buffer_count`` tile buffers alive during the step hold a small share of the offloaded states.
+
 What it does not model yet: activations and temporary buffers (the cost model's job).
 """
 
@@ -25,6 +29,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 FP32 = 4
+
+TILE_MIN_ELEMENTS = 1 << 20
+"""Smallest planned NVMe tile: 8 MiB of Adam states, eight 1-MiB I/O calls each way."""
+TILE_MAX_ELEMENTS = 1 << 24
+TILE_BUFFER_SHARE = 8
+"""Planned tiles keep the ``buffer_count`` buffers alive during the step under 1/8 of the offloaded states."""
+
+
+def nvme_tile_elements(offloaded_elements: int, buffer_count: int, sub_group_size: int | None) -> int:
+    """Elements per NVMe swap tile: ``sub_group_size`` where the user gave it (DeepSpeed's meaning), else planned.
+
+    DeepSpeed's default (1e9 elements) makes one tile of every model under a billion parameters, so the step
+    holds all the states in memory at once and cannot overlap reading one tile with stepping another.
+    """
+    if sub_group_size is not None:
+        return max(1, int(sub_group_size))
+    share = -(-max(1, offloaded_elements) // (TILE_BUFFER_SHARE * max(1, buffer_count)))
+    return min(TILE_MAX_ELEMENTS, max(TILE_MIN_ELEMENTS, share))
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,9 @@ class OffloadPlan:
     rows: list[PlanRow] = field(default_factory=list)
     fixed_bytes: int = 0  # parameters, gradients and fp32 shards: stay on the device whatever is offloaded
     host_is_device: bool = False  # a CPU-only run: "host" memory is the same memory as the device's
+    tile_elements: int = 0  # nvme: elements per swap tile
+    tile_planned: bool = False  # the planner chose the tile (``sub_group_size`` not given)
+    buffer_count: int = 0  # nvme: tile buffers alive during the step
 
     @property
     def offloaded_names(self) -> list[str]:
@@ -91,6 +116,11 @@ class OffloadPlan:
             f"predicted model states per rank on the device: {_mib(self.device_bytes)} "
             f"(parameters, gradients and fp32 shards {_mib(self.fixed_bytes)}; optimizer states offloaded {_mib(self.offloaded_bytes)})"
         )
+        if self.device == "nvme" and self.offloaded_bytes:
+            lines.append(
+                f"NVMe tiles: {self.tile_elements} elements ({'planned: sub_group_size not given' if self.tile_planned else 'sub_group_size'}), "
+                f"{self.buffer_count} tile buffers alive during the step"
+            )
         if self.host_is_device and any(r.placement == "host" for r in self.rows):
             lines.append("note: the device is the host here (no accelerator), so host offload frees no memory; nvme does")
         if not self.fits:
@@ -129,6 +159,8 @@ def plan_optimizer_offload(
     ratio: float = 1.0,
     limit: int = 0,
     host_is_device: bool = False,
+    sub_group_size: int | None = None,
+    buffer_count: int = 4,
 ) -> OffloadPlan:
     """Place each parameter's optimizer states (``state_bytes_per_element``: 8 for Adam) on the device or ``device``.
 
@@ -160,6 +192,10 @@ def plan_optimizer_offload(
             plan.rows.append(PlanRow(p.name, nbytes, placement, moves))
         else:
             plan.rows.append(PlanRow(p.name, nbytes, "device", "stays; stepped on the device"))
+    if device == "nvme":
+        plan.tile_elements = nvme_tile_elements(taken, buffer_count, sub_group_size)
+        plan.tile_planned = sub_group_size is None
+        plan.buffer_count = buffer_count
     return plan
 
 

@@ -30,7 +30,10 @@ How each key is used:
 - ``cpuadam_cores_perc``: the host step runs with this fraction of the CPU cores as torch threads
   (unset: torch's own setting).
 - ``super_offload`` (DeepSpeed's SuperOffload for superchips) is refused.
-- ``zero_optimization.sub_group_size``: the NVMe tile, in elements (as in DeepSpeed's swapper).
+- ``zero_optimization.sub_group_size``: the NVMe tile, in elements (as in DeepSpeed's swapper). Not given, the
+  planner sizes the tiles (``planner.nvme_tile_elements``: 1/8 of the offloaded states over ``buffer_count``
+  buffers, between 2^20 and 2^24 elements), where DeepSpeed's default (1e9) would make one tile of any model
+  under a billion parameters: all states in memory at the step and no read/step overlap.
 - ``zero_optimization.offload_memory_limit`` (dscompile's own; bytes of model states per rank, 0 = no
   limit): the planner (``dscompile/planner.py``) offloads only the optimizer states that do not fit
   under it (none when everything fits), never more than ``ratio``, and then, with ``offload_param``,
@@ -189,6 +192,8 @@ class OptimizerOffload(EngineExtension):
             ratio=float(oc.ratio),
             limit=int(self.zc.offload_memory_limit),
             host_is_device=all(s.device.type == "cpu" for s in zero.shards),
+            sub_group_size=self.zc.sub_group_size,
+            buffer_count=oc.buffer_count,
         )
         if zero.rank == 0:
             log.info("%s", self.plan.table())
@@ -205,7 +210,7 @@ class OptimizerOffload(EngineExtension):
             pin_memory=oc.pin_memory if self.zc.cpu_offload_use_pin_memory is None else bool(self.zc.cpu_offload_use_pin_memory),
             buffer_count=oc.buffer_count,
             ratio=float(oc.ratio),
-            tile_elements=int(self.zc.sub_group_size),
+            tile_elements=self.plan.tile_elements or 1,
             pipeline_read=oc.pipeline_read,
             pipeline_write=oc.pipeline_write,
             preallocate_states=not oc.fast_init,

@@ -79,7 +79,8 @@ class ZeroConfig:
     (rebuild master weights from 16-bit copies) is refused: checkpoints hold the fp32 shards.
     ``offload_optimizer`` (``passes/offload.py``: fp32 master shards and optimizer states on the host or
     in NVMe swap files; ``cpu_offload: true`` and ``cpu_offload_use_pin_memory`` are its old spellings)
-    works with stages 1-3, and then ``sub_group_size`` is the NVMe swap tile in elements;
+    works with stages 1-3, and then ``sub_group_size`` is the NVMe swap tile in elements (not given: the
+    planner sizes the tiles, ``planner.nvme_tile_elements``, where DeepSpeed's default is one 1e9-element group);
     ``offload_memory_limit`` (dscompile's own, bytes per rank, 0 = none) lets the planner offload only
     what does not fit. ``offload_param`` (stage 3 only; ``passes/offload.py``) keeps the ZeRO-3
     parameter shards on the host or in NVMe swap files, read just before their all-gather (under
@@ -103,7 +104,7 @@ class ZeroConfig:
     stage3_max_reuse_distance: int | float = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
     stage3_gather_fp16_weights_on_model_save: bool = False
-    sub_group_size: int | float = 1_000_000_000
+    sub_group_size: int | float | None = None  # DeepSpeed's default 1e9; not given: the planner sizes NVMe tiles
     round_robin_gradients: bool = False
     ignore_unused_parameters: bool = True
     memory_efficient_linear: bool = True
@@ -153,6 +154,8 @@ class ZeroConfig:
             raise DSCompileConfigError(f"{path}.stage", f"must be 0, 1, 2 or 3, got {self.stage}")
         for key in self._SIZES:
             value = getattr(self, key)
+            if value is None and key == "sub_group_size":
+                continue
             if value != int(value) or value < 0:
                 raise DSCompileConfigError(f"{path}.{key}", f"must be a whole number of elements >= 0, got {value}")
             setattr(self, key, int(value))

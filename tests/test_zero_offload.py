@@ -527,6 +527,35 @@ def test_plan_is_written_to_the_dump(tmp_path: Path) -> None:
     dscompile.initialize(model=case.model, config=config)
     table = (dump / "offload_plan.txt").read_text()
     assert "offload plan: ZeRO-2, world 1" in table and "wte.weight" in table and " nvme " in table
+    assert "NVMe tiles: 1048576 elements (planned: sub_group_size not given), 4 tile buffers" in table
+
+
+def test_planner_sizes_nvme_tiles_where_sub_group_size_is_not_given(tmp_path: Path) -> None:
+    """DeepSpeed's default sub_group_size (1e9) is one tile for any model under a billion parameters: all states in
+    memory at the step, no overlap. Not given, the planner keeps the buffers alive at the step under 1/8 of the states."""
+    from dscompile.planner import TILE_MAX_ELEMENTS, TILE_MIN_ELEMENTS, nvme_tile_elements
+
+    assert nvme_tile_elements(98_000_000, 4, None) == 3_062_500  # 4 buffers x 3.06M elements = 1/8 of 98M
+    assert nvme_tile_elements(98_000_000, 4, 1_000_000_000) == 1_000_000_000  # given: DeepSpeed's meaning
+    assert nvme_tile_elements(50_000, 4, None) == TILE_MIN_ELEMENTS  # small models: one tile, I/O calls stay large
+    assert nvme_tile_elements(10**11, 4, None) == TILE_MAX_ELEMENTS
+    assert load_config({"zero_optimization": {"stage": 2}}).sections["zero_optimization"].sub_group_size is None
+    # The engine steps the planner's tiles: a tiny planned tile through a monkeypatched floor gives many tiles.
+    import dscompile.planner as planner
+
+    floor = planner.TILE_MIN_ELEMENTS
+    planner.TILE_MIN_ELEMENTS = 64
+    try:
+        torch.manual_seed(0)
+        case = _case("gpt")
+        config = _config(2, 1, 0.0, {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}})
+        engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
+    finally:
+        planner.TILE_MIN_ELEMENTS = floor
+    plan = engine.extension("zero_offload").plan
+    elements = sum(s.numel() for s in engine.zero.shards)
+    assert plan.tile_planned and plan.tile_elements == max(64, -(-elements // 32))
+    assert len(engine.optimizer.tiles) >= 32 and all(sum(p.numel for p in t.pieces) <= plan.tile_elements for t in engine.optimizer.tiles)
 
 
 def test_limit_needs_an_offload_device() -> None:
