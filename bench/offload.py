@@ -68,6 +68,10 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
     if family in ("dscompile", "deepspeed"):
         optimizer_device = {"param": "none", "infinity": "nvme"}.get(device, device)
         zero = {"stage": args["stage"], "sub_group_size": args["tile"], "offload_optimizer": _offload_section(optimizer_device, args, nvme_dir)}
+        if args.get("reduce_bucket"):
+            zero["reduce_bucket_size"] = args["reduce_bucket"]
+        if args.get("overlap_comm") is not None:
+            zero["overlap_comm"] = args["overlap_comm"]
         if device in ("param", "infinity"):
             zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args["buffers"]}
         config = {"train_micro_batch_size_per_gpu": args["batch"], "optimizer": _adamw(), "zero_optimization": zero}
@@ -149,6 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (compilation happens here)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--reduce-bucket", type=int, default=0, help="zero_optimization.reduce_bucket_size, elements (0: the default)")
+    parser.add_argument("--overlap-comm", default=None, choices=["true", "false"], help="zero_optimization.overlap_comm (unset: the default)")
     parser.add_argument("--lower", default="inductor", choices=["eager", "inductor"], help="dscompile's lowering")
     parser.add_argument("--worlds", default="1,2")
     parser.add_argument("--peers", default=",".join(PEERS))
@@ -161,7 +167,8 @@ def main() -> None:
     nvme_path = opts.nvme_path or tempfile.mkdtemp(prefix="dscompile-offload-bench-")
     args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
             "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "stage": opts.stage, "tile": opts.tile, "buffers": opts.buffers,
-            "nvme_path": nvme_path, "threads": opts.threads, "model": "gpt"}
+            "nvme_path": nvme_path, "threads": opts.threads, "model": "gpt", "reduce_bucket": opts.reduce_bucket,
+            "overlap_comm": None if opts.overlap_comm is None else opts.overlap_comm == "true"}
     for world in (int(w) for w in opts.worlds.split(",")):
 
         def run_peer(peer: str, round_index: int, world: int = world) -> dict[str, Any] | None:
