@@ -453,6 +453,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         shard = self.shards[i]
         if not self._early:  # the first of this backward: the hyper-parameters the step would use
             self._sync_hyperparameters(self.host_opt)
+        if grad.dtype != shard.dtype:
+            grad = grad.to(shard.dtype)  # what autograd does to a gradient of another dtype than its leaf
         if shard.grad is not None:  # earlier micro-steps' gradient: AccumulateGrad adds this one to it
             grad = shard.grad + grad
         event = None
