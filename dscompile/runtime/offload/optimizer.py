@@ -466,15 +466,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 with self._resident([i]):
                     piece.master.copy_(shard.detach())
                 self._versions[i] = shard._version
-            if grad.device.type == "cpu" and grad.dtype == torch.float32:
-                host = grad
-            else:
-                host = self._host_grads[i]
-                host.copy_(grad, non_blocking=host.is_pinned())
-                if host.is_pinned() and torch.cuda.is_available():
-                    event = torch.cuda.Event()
-                    event.record()
-                self.gradient_copies["during_backward"] += 1
+            host = self._host_grads[i]  # the device->host copy (the path an accelerator takes, also when the host is the device)
+            host.copy_(grad, non_blocking=host.is_pinned())
+            if host.is_pinned() and torch.cuda.is_available():
+                event = torch.cuda.Event()  # the worker steps once the copy has landed
+                event.record()
+            self.gradient_copies["during_backward"] += 1
         threads = self.settings.host_threads or max(1, (os.cpu_count() or 1) - torch.get_num_threads())
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dscompile-host-step")
