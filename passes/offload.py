@@ -8,8 +8,19 @@ read-ahead distance.
 ``zero_optimization.offload_optimizer`` (DeepSpeed's keys and defaults) moves the fp32 master shards and
 the optimizer states of ZeRO stages 1-3 to the host (``device: cpu``) or to swap files under
 ``nvme_path`` (``device: nvme``); the engine extension registered here wraps ZeRO's sharded
-optimizer in ``runtime/offload.OffloadedOptimizer`` at engine construction. Nothing in the compiled
-graphs changes: the gradients the graphs reduce into the shards are what the host step reads.
+optimizer in ``runtime/offload.OffloadedOptimizer`` at engine construction. With ``device: cpu`` and
+ZeRO-2/3, the ``offload_gradients`` pass (last before the lowering) adds one ``dscompile::offload_gradient``
+node per host-stepped shard to each backward graph, where its gradient is final (after its bucket's
+reduce-scatter wait; for a shard stepped in place, also after the graph's last read of it): the host
+step of that shard may start there, on a worker thread, while backward goes on. It starts only when
+``OptimizerOffload.early_step_allowed`` says nothing global decides it: the engine's backward of a single
+forward, on the micro-step that ends a batch (the accumulated gradient is added as AccumulateGrad does),
+no ``gradient_clipping``, no fp16 loss scaling or other overflow check, no other extension acting on
+ready gradients, ``ignore_unused_parameters`` on. Otherwise every shard is stepped at ``engine.step()``
+as before (its gradient copied from a post-accumulate-grad hook, after the backward graph returned).
+NVMe offload keeps its step at ``engine.step()`` (tiles, not whole shards). The counters
+(``communication_stats()`` / ``ext.counters()``) say ``early_host_steps``: ``submitted`` (handed off
+during backward), ``started_in_backward`` and ``finished_in_backward`` (by the worker before backward returned).
 
 How each key is used:
 
@@ -26,7 +37,8 @@ How each key is used:
 - ``pin_memory``: pins the host masters and swap buffers when CUDA exists (on a CPU-only machine there is
   no device copy, so nothing to pin).
 - ``cpuadam_cores_perc``: the host step runs with this fraction of the CPU cores as torch threads
-  (unset: torch's own setting).
+  (unset: torch's own setting at ``engine.step()``; for steps started during backward, the cores
+  torch's threads leave free, at least one).
 - ``super_offload`` (DeepSpeed's SuperOffload for superchips) is refused.
 - ``zero_optimization.sub_group_size``: the NVMe tile, in elements (as in DeepSpeed's swapper).
 - ``zero_optimization.offload_memory_limit`` (dscompile's own; bytes of model states per rank, 0 = no
@@ -310,7 +322,7 @@ def offload_gradients(gm: torch.fx.GraphModule, ctx: PassContext, options: Offlo
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     order = {n: k for k, n in enumerate(graph.nodes)}
     inserted = skipped = 0
-    for position, (sink, index, inplace) in sorted(sinks.items()):
+    for position, (_, index, inplace) in sorted(sinks.items()):
         grad = grads[position] if position < len(grads) else None
         if not isinstance(grad, torch.fx.Node):
             continue
@@ -320,7 +332,7 @@ def offload_gradients(gm: torch.fx.GraphModule, ctx: PassContext, options: Offlo
             continue
         anchor = max([grad, *after], key=order.__getitem__)
         with graph.inserting_after(anchor):
-            node = graph.call_function(OFFLOAD_GRADIENT, (grad, after, sink, index))
+            node = graph.call_function(OFFLOAD_GRADIENT, (grad, after, index))
         set_fake_value(node)
         inserted += 1
     ctx.analysis.setdefault("offload_gradients_inserted", {})[ctx.graph_name] = inserted

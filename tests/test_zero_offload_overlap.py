@@ -206,10 +206,10 @@ def test_graph_hands_off_after_the_last_read_of_an_in_place_shard(monkeypatch: p
     graph = seen[0].graph
     order = {n: k for k, n in enumerate(graph.nodes)}
     hand_offs = [n for n in graph.nodes if n.target is OFFLOAD_GRADIENT]
-    assert sorted(n.args[3] for n in hand_offs) == list(range(len(engine.zero.shards)))
+    assert sorted(n.args[2] for n in hand_offs) == list(range(len(engine.zero.shards)))
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     for node in hand_offs:
-        grad, after, _, _ = node.args
+        grad, after, _ = node.args
         assert grad in outputs and all(order[x] < order[node] for x in [grad, *after])
     readers = 0
     for placeholder in (n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals_")):

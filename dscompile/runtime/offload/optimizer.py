@@ -9,13 +9,32 @@ this class is that optimizer, so the engine, LR schedulers and checkpoints see t
   them, the rest is stepped in place on the device by a device optimizer of the same class;
 - ``device: cpu``: masters and states stay in host memory (pinned when ``pin_memory`` and CUDA
   exists). Gradients are copied device→host into a host buffer, the host steps, parameters are copied
-  back. With ``copy_gradients_during_backward`` each shard's gradient is copied from its
-  post-accumulate-grad hook, as soon as backward has produced it (ZeRO-2/3 reduce-scatter in the
-  backward graphs, so the copy of an early bucket overlaps the rest of backward); the step copies
-  again only a gradient changed since (unscaled, clipped) or never copied (ZeRO-1 reduces at the step).
-  Where the shard already lives in host memory as fp32 (a CPU-only run) it is its own master: nothing
-  is copied. Masters are fp32 whatever the shard's dtype (DeepSpeed's fp32 master weights;
-  dscompile's shards are fp32 already under ``bf16``/``fp16``, the graphs cast);
+  back. Where the shard already lives in host memory as fp32 (a CPU-only run) it is its own master
+  (the host optimizer steps an alias of its storage): nothing is copied. Masters are fp32 whatever the
+  shard's dtype (DeepSpeed's fp32 master weights; dscompile's shards are fp32 already under
+  ``bf16``/``fp16``, the graphs cast).
+
+  The early host step (ZeRO-2/3): the ``offload_gradients`` pass (``passes/offload.py``) puts a
+  ``dscompile::offload_gradient`` node in each backward graph right where a host-stepped shard's
+  gradient is final (after its bucket's reduce-scatter wait, and after the graph's last read of the
+  shard). When the engine's gate allows it (``OptimizerOffload.early_step_allowed``: the engine's
+  backward of one forward, on the micro-step that ends a batch, no ``gradient_clipping``, no fp16 loss
+  scaling or other overflow check, no extension acting on ready gradients), ``hand_off`` adds the
+  accumulated ``.grad`` as AccumulateGrad would, copies the gradient to the host and submits that
+  shard's host step to one worker thread (``host_threads``, else the cores torch's own threads leave
+  free), so the host steps while backward computes the remaining gradients. ``step()`` waits for those
+  steps, steps the rest and copies every separate master back to its shard (the device shard is not
+  written during backward; an in-place shard is, which is why its hand-off waits for the graph's last
+  read of it). Stepping a subset of the shards runs the same per-tensor arithmetic, so results are
+  bitwise those of the step at ``step()`` (``tests/test_zero_offload_overlap.py``). How much overlaps
+  depends on ZeRO's schedule: a gradient is final only when its bucket's reduce-scatter is waited for
+  (with one bucket for the whole model, at the end of backward).
+
+  Otherwise (the gate refuses, ZeRO-1, an uncompiled model), each shard's gradient is copied from its
+  post-accumulate-grad hook (``copy_gradients_during_backward``) on the micro-step that ends a batch;
+  under compiled graphs those hooks run once the backward graph has returned, so that copy does not
+  overlap it. The step copies again only a gradient changed since (unscaled, clipped) or never copied
+  (ZeRO-1 reduces at the step);
 - ``device: nvme``: the offloaded elements are cut into tiles of ``sub_group_size`` elements; each tile
   is one file under ``nvme_path/rank_N`` holding its masters and every element-wise optimizer state.
   The step reads tile t+1 while stepping tile t and writes tile t back while stepping t+1
@@ -189,6 +208,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._early_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._piece_of: dict[int, _Piece] = {}
+        self._sink_index: dict[int, int] = {}
         self.early_steps = {"submitted": 0, "started_in_backward": 0, "finished_in_backward": 0}
         self.early_step_seconds = 0.0
         # offload_param: a context manager making the given shards' values resident (their storage is released
@@ -210,6 +230,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._publish_states()
         if self.swap is None and self.host_opt is not None:
             self._piece_of = {piece.shard: piece for piece in self.pieces}
+            self._sink_index = {id(self.shards[i]): i for i in self._piece_of}
             self.sink = next(_SINK_KEYS)
             _SINKS[self.sink] = self
 
@@ -444,8 +465,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self.early_gate is None or self.host_opt is None or not self.early_gate():
             return
         piece = self._piece_of.get(i)
-        if piece is None:
-            return
+        if piece is None or grad.shape != self.shards[i].shape:
+            return  # not one of this optimizer's host-stepped shards: stepped at step()
         if i in self._early:
             raise DSCompileError(
                 f"offload_optimizer: shard {i}'s gradient was handed to the host step twice before step(); call engine.step() after each batch's backward"
@@ -768,25 +789,29 @@ def gradient_sink_of(tensor: Any) -> tuple[int, int, bool] | None:
     if not isinstance(tensor, torch.Tensor):
         return None
     for key, opt in list(_SINKS.items()):
-        for i, piece in opt._piece_of.items():
-            if opt.shards[i] is tensor:
-                return key, i, piece.inplace
+        i = opt._sink_index.get(id(tensor))
+        if i is not None and opt.shards[i] is tensor:
+            return key, i, opt._piece_of[i].inplace
     return None
 
 
 @torch.library.custom_op("dscompile::offload_gradient", mutates_args=())
-def offload_gradient(grad: torch.Tensor, after: list[torch.Tensor], sink: int, shard: int) -> None:
-    """Shard ``shard``'s final gradient of this backward, handed to offloaded optimizer ``sink`` (``hand_off``).
+def offload_gradient(grad: torch.Tensor, after: list[torch.Tensor], shard: int) -> None:
+    """Shard ``shard``'s final gradient of this backward, handed to the offloaded optimizer whose engine runs this
+    backward (``hand_off``; every other one's gate is closed).
 
-    ``after``: values whose computation last reads the shard in this graph; they are inputs only so that every
-    lowering runs this op after them (the early step may update an in-place shard)."""
-    opt = _SINKS.get(sink)
-    if opt is not None:
-        opt.hand_off(shard, grad)
+    The optimizer is found when the graph runs, not named in it: Dynamo may reuse a compiled graph for another
+    engine over a model of the same structure (the same shard order). ``after``: values whose computation last
+    reads the shard in this graph; they are inputs only so that every lowering runs this op after them (the early
+    step may update an in-place shard)."""
+    for opt in list(_SINKS.values()):
+        if opt.early_gate is not None and opt.early_gate():
+            opt.hand_off(shard, grad)
+            return
 
 
 @offload_gradient.register_fake
-def _offload_gradient_fake(grad: torch.Tensor, after: list[torch.Tensor], sink: int, shard: int) -> None:
+def _offload_gradient_fake(grad: torch.Tensor, after: list[torch.Tensor], shard: int) -> None:
     return None
 
 
