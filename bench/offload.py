@@ -86,6 +86,10 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
             def swap() -> int:
                 states = engine.optimizer.expected_swap_bytes() if extension is not None and extension.optimizer is not None else 0
                 return states + (params_ext.store.file_bytes() if params_ext is not None else 0)
+
+            # cpu offload: host steps handed off (and started, finished) during backward, and the host step seconds
+            swap.early = lambda: {k: v for k, v in (extension.counters() if extension is not None else {}).items()  # type: ignore[attr-defined]
+                                  if k in ("early_host_steps", "early_host_step_seconds", "host_step_seconds")}
         else:
             import deepspeed
 
@@ -135,6 +139,9 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
     os.makedirs(nvme_dir, exist_ok=True)
     step, swap_bytes = _build(peer, case, args, nvme_dir)
     losses, times, peak = timed_steps(step, batches, args["warmup"], barrier=dist.barrier)
+    early = getattr(swap_bytes, "early", None)
+    if rank == 0 and early is not None and early():
+        print(f"world {world} {peer}: {early()}", flush=True)
     return {"step_s": statistics.median(times), "peak_bytes": peak - baseline, "losses": losses, "params": params, "swap_bytes": swap_bytes()}
 
 
