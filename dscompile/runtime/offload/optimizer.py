@@ -481,7 +481,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         event = None
         if piece.inplace:
             self._rebind(piece)
-            host = grad
+            # an alias, not the graph's tensor: AccumulateGrad then takes that tensor as .grad instead of cloning it
+            # (it clones a gradient referenced elsewhere); nothing writes it before step() has waited for the worker
+            host = grad.detach()
         else:
             if self._stale(piece):
                 with self._resident([i]):
@@ -530,6 +532,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             started = len(self._early_started)
         self.early_steps["started_in_backward"] += started
         self.early_steps["finished_in_backward"] += sum(f.done() for f in self._early.values())
+
+    def _wait_early(self) -> None:
+        """Wait for the steps submitted during backward, re-raising a failure (they stay recorded until ``step()``)."""
+        for future in list(self._early.values()):
+            future.result()
 
     def _finish_early(self) -> set[int]:
         """Wait for the steps submitted during backward (re-raising a failure); the shard indices they stepped."""
@@ -690,12 +697,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The same layout as the un-offloaded sharded optimizer's ``state_dict`` (states read back from NVMe)."""
+        self._wait_early()  # read between backward and step(): the states of the shards stepped early, not half-written
         index = {id(p): i for i, p in enumerate(self.shards)}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
         return {"state": self._shard_states(), "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self._finish_early()  # a load replaces what steps started during backward would write
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=False)
