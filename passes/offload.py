@@ -15,7 +15,8 @@ reduce-scatter wait; for a shard stepped in place, also after the graph's last r
 step of that shard may start there, on a worker thread, while backward goes on. It starts only when
 ``OptimizerOffload.early_step_allowed`` says nothing global decides it: the engine's backward of a single
 forward, on the micro-step that ends a batch (the accumulated gradient is added as AccumulateGrad does),
-no ``gradient_clipping``, no fp16 loss scaling or other overflow check, no other extension acting on
+no ``gradient_clipping``, no overflow check (fp16 loss scaling; bf16 too: its static scaler skips a step
+with inf/NaN gradients), no other extension acting on
 ready gradients, ``ignore_unused_parameters`` on. Otherwise every shard is stepped at ``engine.step()``
 as before (its gradient copied from a post-accumulate-grad hook, after the backward graph returned).
 NVMe offload keeps its step at ``engine.step()`` (tiles, not whole shards). The counters

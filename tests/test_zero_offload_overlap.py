@@ -27,7 +27,9 @@ STEPS = 3
 GAS = 2
 
 
-def _engine(stage: int, offload: bool, lower: str, clip: float = 0.0, gas: int = GAS, zero: dict | None = None) -> tuple[Any, Any]:
+def _engine(
+    stage: int, offload: bool, lower: str, clip: float = 0.0, gas: int = GAS, zero: dict | None = None, bf16: bool = False
+) -> tuple[Any, Any]:
     torch.manual_seed(0)
     case = _case("gpt")
     extra = dict(zero or {})
@@ -35,6 +37,8 @@ def _engine(stage: int, offload: bool, lower: str, clip: float = 0.0, gas: int =
         extra["offload_optimizer"] = {"device": "cpu"}
     config = _config(stage, gas, clip, extra)
     config["lower"] = lower
+    if bf16:
+        config["bf16"] = {"enabled": True}
     engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
     return engine, case
 
@@ -157,12 +161,16 @@ def test_a_step_before_the_gradient_is_final_is_caught(monkeypatch: pytest.Monke
 
 def test_fallbacks_step_at_engine_step() -> None:
     """Nothing is stepped early where a global decision comes between backward and the step: gradient clipping
-    (the norm of every gradient), or two forwards before one backward (a shard's graph gradient is then partial).
+    (the norm of every gradient), an overflow check (bf16's static loss scaler), or two forwards before one backward (a shard's graph gradient is then partial).
     Training stays bitwise equal to no offload."""
     clipped_ref = _train(*_engine(2, False, "eager", clip=0.05), 0)
     clipped = _train(*_engine(2, True, "eager", clip=0.05), 0)
     assert clipped["counters"]["early_host_steps"]["submitted"] == 0
     _assert_bitwise(clipped_ref, clipped, "clipping")
+    bf16_ref = _train(*_engine(2, False, "eager", bf16=True), 0, steps=2)
+    bf16 = _train(*_engine(2, True, "eager", bf16=True), 0, steps=2)
+    assert bf16["counters"]["early_host_steps"]["submitted"] == 0  # its loss scaler skips a step on inf/NaN gradients
+    _assert_bitwise(bf16_ref, bf16, "bf16")
 
     def twice(engine: Any, case: Any) -> dict[str, Any]:
         losses = []
