@@ -68,6 +68,10 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
     if family in ("dscompile", "deepspeed"):
         optimizer_device = {"param": "none", "infinity": "nvme"}.get(device, device)
         zero = {"stage": args["stage"], "sub_group_size": args["tile"], "offload_optimizer": _offload_section(optimizer_device, args, nvme_dir)}
+        if args.get("reduce_bucket"):
+            zero["reduce_bucket_size"] = args["reduce_bucket"]
+        if args.get("overlap_comm") is not None:
+            zero["overlap_comm"] = args["overlap_comm"]
         if device in ("param", "infinity"):
             zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args["buffers"]}
         config = {"train_micro_batch_size_per_gpu": args["batch"], "optimizer": _adamw(), "zero_optimization": zero}
@@ -82,6 +86,10 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
             def swap() -> int:
                 states = engine.optimizer.expected_swap_bytes() if extension is not None and extension.optimizer is not None else 0
                 return states + (params_ext.store.file_bytes() if params_ext is not None else 0)
+
+            # cpu offload: host steps handed off (and started, finished) during backward, and the host step seconds
+            swap.early = lambda: {k: v for k, v in (extension.counters() if extension is not None else {}).items()  # type: ignore[attr-defined]
+                                  if k in ("early_host_steps", "early_host_step_seconds", "host_step_seconds")}
         else:
             import deepspeed
 
@@ -131,6 +139,9 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
     os.makedirs(nvme_dir, exist_ok=True)
     step, swap_bytes = _build(peer, case, args, nvme_dir)
     losses, times, peak = timed_steps(step, batches, args["warmup"], barrier=dist.barrier)
+    early = getattr(swap_bytes, "early", None)
+    if rank == 0 and early is not None and early():
+        print(f"world {world} {peer}: {early()}", flush=True)
     return {"step_s": statistics.median(times), "peak_bytes": peak - baseline, "losses": losses, "params": params, "swap_bytes": swap_bytes()}
 
 
@@ -149,6 +160,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (compilation happens here)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--reduce-bucket", type=int, default=0, help="zero_optimization.reduce_bucket_size, elements (0: the default)")
+    parser.add_argument("--overlap-comm", default=None, choices=["true", "false"], help="zero_optimization.overlap_comm (unset: the default)")
     parser.add_argument("--lower", default="inductor", choices=["eager", "inductor"], help="dscompile's lowering")
     parser.add_argument("--worlds", default="1,2")
     parser.add_argument("--peers", default=",".join(PEERS))
@@ -161,7 +174,8 @@ def main() -> None:
     nvme_path = opts.nvme_path or tempfile.mkdtemp(prefix="dscompile-offload-bench-")
     args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
             "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "stage": opts.stage, "tile": opts.tile, "buffers": opts.buffers,
-            "nvme_path": nvme_path, "threads": opts.threads, "model": "gpt"}
+            "nvme_path": nvme_path, "threads": opts.threads, "model": "gpt", "reduce_bucket": opts.reduce_bucket,
+            "overlap_comm": None if opts.overlap_comm is None else opts.overlap_comm == "true"}
     for world in (int(w) for w in opts.worlds.split(",")):
 
         def run_peer(peer: str, round_index: int, world: int = world) -> dict[str, Any] | None:

@@ -8,8 +8,20 @@ read-ahead distance.
 ``zero_optimization.offload_optimizer`` (DeepSpeed's keys and defaults) moves the fp32 master shards and
 the optimizer states of ZeRO stages 1-3 to the host (``device: cpu``) or to swap files under
 ``nvme_path`` (``device: nvme``); the engine extension registered here wraps ZeRO's sharded
-optimizer in ``runtime/offload.OffloadedOptimizer`` at engine construction. Nothing in the compiled
-graphs changes: the gradients the graphs reduce into the shards are what the host step reads.
+optimizer in ``runtime/offload.OffloadedOptimizer`` at engine construction. With ``device: cpu`` and
+ZeRO-2/3, the ``offload_gradients`` pass (last before the lowering) adds one ``dscompile::offload_gradient``
+node per host-stepped shard to each backward graph, where its gradient is final (after its bucket's
+reduce-scatter wait; for a shard stepped in place, also after the graph's last read of it): the host
+step of that shard may start there, on a worker thread, while backward goes on. It starts only when
+``OptimizerOffload.early_step_allowed`` says nothing global decides it: the engine's backward of a single
+forward, on the micro-step that ends a batch (the accumulated gradient is added as AccumulateGrad does),
+no ``gradient_clipping``, no overflow check (fp16 loss scaling; bf16 too: its static scaler skips a step
+with inf/NaN gradients), no other extension acting on
+ready gradients, ``ignore_unused_parameters`` on. Otherwise every shard is stepped at ``engine.step()``
+as before (its gradient copied from a post-accumulate-grad hook, after the backward graph returned).
+NVMe offload keeps its step at ``engine.step()`` (tiles, not whole shards). The counters
+(``communication_stats()`` / ``ext.counters()``) say ``early_host_steps``: ``submitted`` (handed off
+during backward), ``started_in_backward`` and ``finished_in_backward`` (by the worker before backward returned).
 
 How each key is used:
 
@@ -28,7 +40,8 @@ How each key is used:
 - ``pin_memory``: pins the host masters and swap buffers when CUDA exists (on a CPU-only machine there is
   no device copy, so nothing to pin).
 - ``cpuadam_cores_perc``: the host step runs with this fraction of the CPU cores as torch threads
-  (unset: torch's own setting).
+  (unset: torch's own setting at ``engine.step()``; for steps started during backward, the cores
+  torch's threads leave free, at least one).
 - ``super_offload`` (DeepSpeed's SuperOffload for superchips) is refused.
 - ``zero_optimization.sub_group_size``: the NVMe tile, in elements (as in DeepSpeed's swapper). Not given, the
   planner sizes the tiles (``planner.nvme_tile_elements``: 1/8 of the offloaded states over ``buffer_count``
@@ -55,7 +68,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.fx
+
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.graph import set_fake_value
+from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 from dscompile.planner import OffloadPlan, ParamPlan, PlannedParameter, non_shard_device_bytes, plan_optimizer_offload, plan_param_offload
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 
@@ -162,6 +180,7 @@ class OptimizerOffload(EngineExtension):
         self.config = config
         self.optimizer: Any = None
         self.plan: OffloadPlan | None = None
+        self._forwards = 0  # engine forwards since the last backward
 
     def configure(self, engine: EngineCore) -> None:
         from dscompile.runtime.offload import OffloadedOptimizer, OffloadSettings
@@ -225,12 +244,46 @@ class OptimizerOffload(EngineExtension):
         self.optimizer = OffloadedOptimizer(engine.optimizer, zero.shards, settings, rank=zero.rank, chosen=chosen)
         # device->host gradient copies start from backward, on the micro-step that ends a batch
         self.optimizer.copy_gradients_during_backward(engine.is_gradient_accumulation_boundary)
+        # the host step of each shard may start from the backward graph (``offload_gradients`` pass) when nothing global decides it
+        self.optimizer.early_gate = lambda: self.early_step_allowed(engine)
         engine.optimizer = self.optimizer
 
+    def early_step_allowed(self, engine: EngineCore) -> bool:
+        """Whether the backward running now may start host steps: it is the engine's backward of the one forward since
+        the last step or backward, it ends an accumulation batch, and nothing between backward and ``optimizer.step()``
+        reads all gradients or changes them (no ``gradient_clipping``, no fp16 loss scaling or other overflow check,
+        no extension acting on ready gradients, ZeRO-2/3 whose gradients the graphs reduce, unused parameters not checked)."""
+        zero = engine.zero
+        if not getattr(engine, "in_engine_backward", False) or self._forwards != 1 or engine.optimizer is not self.optimizer:
+            return False
+        if zero is None or zero.stage < 2 or not self.zc.ignore_unused_parameters or not engine.is_gradient_accumulation_boundary():
+            return False
+        if engine.config.gradient_clipping > 0 or engine.fp16_enabled():
+            return False
+        for extension in engine.extensions:
+            if extension is self or extension.name == "onebit":  # 1-bit optimizers are refused with offload: it only watches
+                continue
+            if extension.checks_overflow:
+                return False
+            for hook in ("on_gradients_ready", "before_optimizer_step"):
+                if getattr(type(extension), hook) is not getattr(EngineExtension, hook):
+                    return False
+        return True
+
     def before_forward(self, engine: EngineCore) -> None:
-        """NVMe: the micro-step that ends a batch starts reading the first tiles, so the reads overlap its forward and backward."""
+        """Counts forwards (the early step's gate); NVMe: the micro-step that ends a batch starts reading the first
+        tiles, so the reads overlap its forward and backward."""
+        self._forwards += 1
         if self.optimizer is not None and engine.is_gradient_accumulation_boundary():
             self.optimizer.prefetch()
+
+    def after_backward(self, engine: EngineCore) -> None:
+        self._forwards = 0
+        if self.optimizer is not None:
+            self.optimizer.end_backward()
+
+    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+        self._forwards = 0
 
     def counters(self) -> dict[str, Any]:
         return self.optimizer.counters() if self.optimizer is not None else {}
@@ -238,6 +291,94 @@ class OptimizerOffload(EngineExtension):
     def destroy(self, engine: EngineCore) -> None:
         if self.optimizer is not None:
             self.optimizer.detach_gradient_copies()
+            self.optimizer.close()
+
+
+# -- the graph hook: each host-stepped shard's final gradient handed to the offloaded optimizer --------------
+@dataclass
+class OffloadGradientsOptions:
+    pass
+
+
+@register_config_rule(95, "zero_offload")
+def _offload_gradients_rule(config: Any) -> list[Any]:
+    """Last before the lowering: the pass reads the backward graph's final gradient values."""
+    zc = getattr(config, "sections", {}).get("zero_optimization")
+    if zc is None or zc.stage < 2 or zc.offload_optimizer is None or zc.offload_optimizer.device != "cpu":
+        return []
+    return [invocation("offload_gradients")]
+
+
+@register_pass("offload_gradients", graphs=("pre_autograd", "backward"), options=OffloadGradientsOptions, requires=("zero",))
+def offload_gradients(gm: torch.fx.GraphModule, ctx: PassContext, options: OffloadGradientsOptions) -> torch.fx.GraphModule:
+    """Hand each host-stepped shard's gradient to the offloaded optimizer as soon as the backward graph has it.
+
+    On the Dynamo graph: which inputs are shards of a live cpu-offloaded optimizer (its real inputs are the
+    parameters). On the backward graph, whose outputs are the gradients of those inputs in the same order: a
+    ``dscompile::offload_gradient`` node right after each such gradient's final value (after its bucket's
+    reduce-scatter wait), and after every node of this graph that still reads the shard itself (ZeRO-3 gathers it
+    again in backward; an early step updates an in-place shard). The op does nothing unless the engine lets the
+    step start early (``OptimizerOffload.early_step_allowed``)."""
+    from dscompile.runtime.offload.optimizer import OFFLOAD_GRADIENT, gradient_sink_of
+
+    if ctx.graph_kind == "pre_autograd":
+        ctx.analysis["offload_gradients"] = {
+            i: hit for i, value in enumerate(ctx.example_inputs) if (hit := gradient_sink_of(value)) is not None
+        }
+        return gm
+    sinks: dict[int, tuple[int, int, bool]] = ctx.analysis.get("offload_gradients", {})
+    if not sinks:
+        return gm
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    grads = output.args[0]
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    inserted = skipped = 0
+    for position, (_, index, inplace) in sorted(sinks.items()):
+        grad = grads[position] if position < len(grads) else None
+        if not isinstance(grad, torch.fx.Node):
+            continue
+        after = _shard_readers(placeholders.get(f"primals_{position + 1}")) if inplace else []
+        if after is None:
+            skipped += 1  # a reader whose value is not one tensor: this shard keeps the step at step()
+            continue
+        anchor = max([grad, *after], key=order.__getitem__)
+        with graph.inserting_after(anchor):
+            node = graph.call_function(OFFLOAD_GRADIENT, (grad, after, index))
+        set_fake_value(node)
+        inserted += 1
+    ctx.analysis.setdefault("offload_gradients_inserted", {})[ctx.graph_name] = inserted
+    log.debug("%s: %d gradient hand-offs to the host step inserted, %d shards left to step()", ctx.graph_name, inserted, skipped)
+    return gm
+
+
+def _shard_readers(shard: torch.fx.Node | None) -> list[torch.fx.Node] | None:
+    """The nodes whose execution last reads ``shard`` (through its views); a functional collective reads its
+    input until its wait. None when one of them does not produce a single tensor."""
+    if shard is None:
+        return []
+    aliases, stack, readers = {shard}, [shard], []
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+                if user not in aliases:
+                    aliases.add(user)
+                    stack.append(user)
+            elif user.op != "output":
+                readers.append(user)
+    out = []
+    for reader in readers:
+        if reader.op == "call_function" and str(reader.target).startswith("_c10d_functional."):
+            waits = [u for u in reader.users if u.target is torch.ops._c10d_functional.wait_tensor.default]
+            if len(waits) != 1:
+                return None
+            reader = waits[0]
+        if not isinstance(reader.meta.get("val"), torch.Tensor):
+            return None
+        out.append(reader)
+    return out
 
 
 @register_engine_extension(11, "zero_offload")

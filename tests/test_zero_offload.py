@@ -651,7 +651,8 @@ def test_offload_refuses_a_one_bit_optimizer(tmp_path) -> None:
 @pytest.mark.parametrize("clip", [0.0, CLIP])
 def test_gradients_go_to_the_host_during_backward(clip: float) -> None:
     """With host masters separate from the shards (what an accelerator run has; offload_param forces it here), each
-    shard's gradient is copied to the host from its post-accumulate-grad hook during backward. The step copies only
+    shard's gradient is copied to the host during backward (from the backward graph where the host step starts there,
+    tests/test_zero_offload_overlap.py; from its post-accumulate-grad hook otherwise, as with clipping). The step copies only
     what changed since: nothing in fp32 without clipping, every gradient after clipping scaled them in place. Bitwise
     the same training as without offload either way."""
     runs = {}

@@ -9,13 +9,32 @@ this class is that optimizer, so the engine, LR schedulers and checkpoints see t
   them, the rest is stepped in place on the device by a device optimizer of the same class;
 - ``device: cpu``: masters and states stay in host memory (pinned when ``pin_memory`` and CUDA
   exists). Gradients are copied device→host into a host buffer, the host steps, parameters are copied
-  back. With ``copy_gradients_during_backward`` each shard's gradient is copied from its
-  post-accumulate-grad hook, as soon as backward has produced it (ZeRO-2/3 reduce-scatter in the
-  backward graphs, so the copy of an early bucket overlaps the rest of backward); the step copies
-  again only a gradient changed since (unscaled, clipped) or never copied (ZeRO-1 reduces at the step).
-  Where the shard already lives in host memory as fp32 (a CPU-only run) it is its own master: nothing
-  is copied. Masters are fp32 whatever the shard's dtype (DeepSpeed's fp32 master weights;
-  dscompile's shards are fp32 already under ``bf16``/``fp16``, the graphs cast);
+  back. Where the shard already lives in host memory as fp32 (a CPU-only run) it is its own master
+  (the host optimizer steps an alias of its storage): nothing is copied. Masters are fp32 whatever the
+  shard's dtype (DeepSpeed's fp32 master weights; dscompile's shards are fp32 already under
+  ``bf16``/``fp16``, the graphs cast).
+
+  The early host step (ZeRO-2/3): the ``offload_gradients`` pass (``passes/offload.py``) puts a
+  ``dscompile::offload_gradient`` node in each backward graph right where a host-stepped shard's
+  gradient is final (after its bucket's reduce-scatter wait, and after the graph's last read of the
+  shard). When the engine's gate allows it (``OptimizerOffload.early_step_allowed``: the engine's
+  backward of one forward, on the micro-step that ends a batch, no ``gradient_clipping``, no fp16 loss
+  scaling or other overflow check, no extension acting on ready gradients), ``hand_off`` adds the
+  accumulated ``.grad`` as AccumulateGrad would, copies the gradient to the host and submits that
+  shard's host step to one worker thread (``host_threads``, else the cores torch's own threads leave
+  free), so the host steps while backward computes the remaining gradients. ``step()`` waits for those
+  steps, steps the rest and copies every separate master back to its shard (the device shard is not
+  written during backward; an in-place shard is, which is why its hand-off waits for the graph's last
+  read of it). Stepping a subset of the shards runs the same per-tensor arithmetic, so results are
+  bitwise those of the step at ``step()`` (``tests/test_zero_offload_overlap.py``). How much overlaps
+  depends on ZeRO's schedule: a gradient is final only when its bucket's reduce-scatter is waited for
+  (with one bucket for the whole model, at the end of backward).
+
+  Otherwise (the gate refuses, ZeRO-1, an uncompiled model), each shard's gradient is copied from its
+  post-accumulate-grad hook (``copy_gradients_during_backward``) on the micro-step that ends a batch;
+  under compiled graphs those hooks run once the backward graph has returned, so that copy does not
+  overlap it. The step copies again only a gradient changed since (unscaled, clipped) or never copied
+  (ZeRO-1 reduces at the step);
 - ``device: nvme``: the offloaded elements are cut into tiles of ``sub_group_size`` elements; each tile
   is one file under ``nvme_path/rank_N`` holding every element-wise optimizer state of its pieces, and
   their fp32 masters where those are separate from the shards (an accelerator run, or ``separate_master``).
@@ -42,17 +61,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from dscompile.errors import DSCompileConfigError
+from dscompile.errors import DSCompileConfigError, DSCompileError
 from dscompile.runtime.offload.swap import ALIGN, SwapDirectory, align_up, aligned_buffer
 
 log = logging.getLogger("dscompile.offload")
@@ -95,6 +116,7 @@ class _Piece:
     group: int
     master: nn.Parameter
     initialized: bool = False  # its element-wise states exist in its tile's file
+    inplace: bool = False  # cpu: the master is an alias of the shard's own storage (the shard is its own master)
 
     @property
     def numel(self) -> int:
@@ -196,6 +218,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The last tiles' writes, finishing behind the step (each holds its buffer until done)."""
         self.prefetched_tiles = 0
         self._copy_hooks: list[Any] = []
+        # The early host step (cpu): shard index -> its step, submitted from the backward graph (``hand_off``).
+        self.early_gate: Callable[[], bool] | None = None
+        """Set by the engine: true while a backward runs whose gradients are final as the graph produces them."""
+        self._early: dict[int, Future[None]] = {}
+        self._early_started: set[int] = set()
+        self._early_lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._piece_of: dict[int, _Piece] = {}
+        self._sink_index: dict[int, int] = {}
+        self.early_steps = {"submitted": 0, "started_in_backward": 0, "finished_in_backward": 0}
+        self.early_step_seconds = 0.0
         # offload_param: a context manager making the given shards' values resident (their storage is released
         # between uses); the step holds only the shards of the tile it steps.
         self.residency: Any = None
@@ -213,6 +246,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for i in self.offloaded:
             self._versions[i] = self.shards[i]._version
         self._publish_states()
+        if self.swap is None and self.host_opt is not None:
+            self._piece_of = {piece.shard: piece for piece in self.pieces}
+            self._sink_index = {id(self.shards[i]): i for i in self._piece_of}
+            self.sink = next(_SINK_KEYS)
+            _SINKS[self.sink] = self
 
     def copy_gradients_during_backward(self, when: Any) -> None:
         """Copy each host-mastered shard's gradient to the host from its post-accumulate-grad hook whenever ``when()``
@@ -229,7 +267,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _copy_gradient(self, i: int, shard: torch.Tensor) -> None:
         grad = shard.grad
-        if grad is None:
+        if grad is None or i in self._early:  # stepped from the graph already
             return
         host = self._host_grads[i]
         host.copy_(grad.detach(), non_blocking=host.is_pinned())
@@ -254,14 +292,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._host_grads: dict[int, torch.Tensor] = {}
         for i in self.offloaded:
             shard = self.shards[i]
-            if shard.device.type == "cpu" and shard.dtype == torch.float32 and not self.settings.separate_master:
-                master = shard  # the host is the device and the shard is fp32: it is its own master
+            inplace = shard.device.type == "cpu" and shard.dtype == torch.float32 and not self.settings.separate_master
+            if inplace:
+                # the host is the device and the shard is fp32: it is its own master. The host optimizer steps an alias
+                # (same storage and version counter) whose .grad is its own, so a step may run while autograd sets the shard's.
+                master = nn.Parameter(shard.detach())
             else:
                 master = nn.Parameter(torch.empty(shard.shape, dtype=torch.float32, pin_memory=pin))
                 with torch.no_grad():
                     master.copy_(shard.detach())
                 self._host_grads[i] = torch.empty(shard.shape, dtype=torch.float32, pin_memory=pin)  # reused every step
-            self.pieces.append(_Piece(i, 0, shard.numel(), group_of[id(shard)], master, initialized=True))
+            self.pieces.append(_Piece(i, 0, shard.numel(), group_of[id(shard)], master, initialized=True, inplace=inplace))
 
     def _init_nvme(self, group_of: dict[int, int], rank: int) -> None:
         s = self.settings
@@ -374,11 +415,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with self._resident(self.on_device):
                 self.device_opt.step()
         if self.host_opt is not None:
+            early = self._finish_early()
             self._sync_hyperparameters(self.host_opt)
             start = time.perf_counter()
             with self._host_threads():
                 if self.swap is None:
-                    self._step_cpu()
+                    self._step_cpu(early)
                 else:
                     self._step_nvme()
             self.host_step_seconds += time.perf_counter() - start
@@ -393,12 +435,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _stale(self, piece: _Piece) -> bool:
         return self.shards[piece.shard]._version != self._versions[piece.shard]
 
-    def _step_cpu(self) -> None:
+    def _step_cpu(self, early: set[int]) -> None:
+        """Step every piece not stepped early from the backward graph; copy every separate master back to its shard."""
         assert self.host_opt is not None
         copies = []
         for piece in self.pieces:
             shard = self.shards[piece.shard]
-            if piece.master is shard:
+            if piece.inplace:
+                self._rebind(piece)
+                piece.master.grad = None if piece.shard in early or shard.grad is None else shard.grad.detach()
+                continue
+            if piece.shard in early:  # stepped on the host during backward: only the copy back is left
+                piece.master.grad = None
+                copies.append(piece)
                 continue
             if self._stale(piece):
                 with self._resident([piece.shard]):
@@ -417,10 +466,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._copied.clear()
         if copies and torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.host_opt.step()
+        self.host_opt.step()  # pieces whose master has no gradient (stepped early, or unused) are skipped
         for piece in copies:
             with self._resident([piece.shard]):
                 self.shards[piece.shard].copy_(piece.master, non_blocking=piece.master.is_pinned())
+            piece.master.grad = None
+        for piece in self.pieces:
             piece.master.grad = None
         if copies and torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -468,6 +519,128 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if fut is not None:
                 with contextlib.suppress(Exception):
                     fut.result()
+
+    def _rebind(self, piece: _Piece) -> None:
+        """An in-place master follows its shard if the shard's storage was replaced (its states move with it)."""
+        shard = self.shards[piece.shard]
+        if piece.master.data_ptr() == shard.data_ptr() and piece.master.shape == shard.shape:
+            return
+        assert self.host_opt is not None
+        alias = nn.Parameter(shard.detach())
+        state = self.host_opt.state.pop(piece.master, None)
+        if state is not None:
+            self.host_opt.state[alias] = state
+        for group in self.host_opt.param_groups:
+            group["params"] = [alias if p is piece.master else p for p in group["params"]]
+        self._host_group_params = [[alias if p is piece.master else p for p in params] for params in self._host_group_params]
+        piece.master = alias
+
+    # -- the early host step (cpu): started from the backward graph --------------------------------
+    @torch.no_grad()
+    def hand_off(self, i: int, grad: torch.Tensor) -> None:
+        """Called by ``dscompile::offload_gradient`` in the backward graph once shard ``i``'s gradient is final.
+
+        When the engine's gate allows (a batch-ending backward whose gradients nothing global changes before the
+        step: no clipping, no loss scaling), the gradient is added to an accumulated ``.grad`` exactly as
+        AccumulateGrad does, copied to the host (referenced where it is already a host fp32 tensor), and the
+        shard's host step is submitted to the worker thread; backward continues meanwhile. Else nothing happens
+        and the shard is stepped at ``step()`` as without the graph hook."""
+        if self.early_gate is None or self.host_opt is None or not self.early_gate():
+            return
+        piece = self._piece_of.get(i)
+        if piece is None or grad.shape != self.shards[i].shape:
+            return  # not one of this optimizer's host-stepped shards: stepped at step()
+        if i in self._early:
+            raise DSCompileError(
+                f"offload_optimizer: shard {i}'s gradient was handed to the host step twice before step(); call engine.step() after each batch's backward"
+            )
+        shard = self.shards[i]
+        if not self._early:  # the first of this backward: the hyper-parameters the step would use
+            self._sync_hyperparameters(self.host_opt)
+        if grad.dtype != shard.dtype:
+            grad = grad.to(shard.dtype)  # what autograd does to a gradient of another dtype than its leaf
+        if shard.grad is not None:  # earlier micro-steps' gradient: AccumulateGrad adds this one to it
+            grad = shard.grad + grad
+        event = None
+        if piece.inplace:
+            self._rebind(piece)
+            # an alias, not the graph's tensor: AccumulateGrad then takes that tensor as .grad instead of cloning it
+            # (it clones a gradient referenced elsewhere); nothing writes it before step() has waited for the worker
+            host = grad.detach()
+        else:
+            if self._stale(piece):
+                with self._resident([i]):
+                    piece.master.copy_(shard.detach())
+                self._versions[i] = shard._version
+            host = self._host_grads[i]  # the device->host copy (the path an accelerator takes, also when the host is the device)
+            host.copy_(grad, non_blocking=host.is_pinned())
+            if host.is_pinned() and torch.cuda.is_available():
+                event = torch.cuda.Event()  # the worker steps once the copy has landed
+                event.record()
+            self.gradient_copies["during_backward"] += 1
+        threads = self.settings.host_threads or max(1, (os.cpu_count() or 1) - torch.get_num_threads())
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dscompile-host-step")
+        self._early[i] = self._worker.submit(self._early_step, piece, host, event, threads)
+        self.early_steps["submitted"] += 1
+
+    def _early_step(self, piece: _Piece, grad: torch.Tensor, event: Any, threads: int) -> None:
+        """On the worker thread: step one piece's master (the shard itself when in place) with ``grad``."""
+        assert self.host_opt is not None
+        if event is not None:
+            event.synchronize()
+        with self._early_lock:
+            self._early_started.add(piece.shard)
+        start = time.perf_counter()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # this thread's own pool: the backward keeps its threads
+        groups = self.host_opt.param_groups
+        saved = [g["params"] for g in groups]
+        piece.master.grad = grad
+        try:
+            for g, group in enumerate(groups):
+                group["params"] = [piece.master] if g == piece.group else []
+            self.host_opt.step()
+        finally:
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = params
+            piece.master.grad = None
+        self.early_step_seconds += time.perf_counter() - start
+
+    def end_backward(self) -> None:
+        """After a backward: count the submitted steps that started (and finished) before it returned."""
+        if not self._early:
+            return
+        with self._early_lock:
+            started = len(self._early_started)
+        self.early_steps["started_in_backward"] += started
+        self.early_steps["finished_in_backward"] += sum(f.done() for f in self._early.values())
+
+    def _wait_early(self) -> None:
+        """Wait for the steps submitted during backward, re-raising a failure (they stay recorded until ``step()``)."""
+        for future in list(self._early.values()):
+            future.result()
+
+    def _finish_early(self) -> set[int]:
+        """Wait for the steps submitted during backward (re-raising a failure); the shard indices they stepped."""
+        done = set(self._early)
+        futures = list(self._early.values())
+        self._early.clear()
+        with self._early_lock:
+            self._early_started.clear()
+        for future in futures:
+            future.result()
+        return done
+
+    def close(self) -> None:
+        """Wait for submitted steps and stop the worker thread."""
+        for future in self._early.values():
+            with contextlib.suppress(Exception):
+                future.result()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        _SINKS.pop(getattr(self, "sink", -1), None)
 
     def _step_nvme(self) -> None:
         """Tile by tile: read ahead, step, write behind, with at most ``buffer_count`` tile buffers alive."""
@@ -623,12 +796,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The same layout as the un-offloaded sharded optimizer's ``state_dict`` (states read back from NVMe)."""
+        self._wait_early()  # read between backward and step(): the states of the shards stepped early, not half-written
         index = {id(p): i for i, p in enumerate(self.shards)}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
         return {"state": self._shard_states(), "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self._finish_early()  # a load replaces what steps started during backward would write
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=False)
@@ -653,7 +828,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 entry = self.host_opt.state[piece.master]
                 entry.clear()
                 entry.update({k: v.to("cpu").clone() if isinstance(v, torch.Tensor) else v for k, v in states.get(piece.shard, {}).items()})
-                if piece.master is not self.shards[piece.shard]:
+                if not piece.inplace:
                     piece.master.copy_(self.shards[piece.shard].detach())
         else:
             self._load_nvme(states)
@@ -692,6 +867,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "device_elements": sum(self.shards[i].numel() for i in self.on_device),
             "host_step_seconds": self.host_step_seconds,
             "gradient_copies": dict(self.gradient_copies),
+            "early_host_steps": dict(self.early_steps),
+            "early_host_step_seconds": self.early_step_seconds,
         }
         if self.swap is not None:
             out.update(
@@ -720,6 +897,46 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return sum(t.nbytes for t in self.tiles)
 
 
+_SINKS: weakref.WeakValueDictionary[int, OffloadedOptimizer] = weakref.WeakValueDictionary()
+"""Live cpu-offloaded optimizers by key: where ``dscompile::offload_gradient`` hands gradients."""
+_SINK_KEYS = iter(range(1, 1 << 62))
+
+
+def gradient_sink_of(tensor: Any) -> tuple[int, int, bool] | None:
+    """(optimizer key, shard index, stepped in place) of a host-stepped shard of a live offloaded optimizer; None otherwise."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    for key, opt in list(_SINKS.items()):
+        i = opt._sink_index.get(id(tensor))
+        if i is not None and opt.shards[i] is tensor:
+            return key, i, opt._piece_of[i].inplace
+    return None
+
+
+@torch.library.custom_op("dscompile::offload_gradient", mutates_args=())
+def offload_gradient(grad: torch.Tensor, after: list[torch.Tensor], shard: int) -> None:
+    """Shard ``shard``'s final gradient of this backward, handed to the offloaded optimizer whose engine runs this
+    backward (``hand_off``; every other one's gate is closed).
+
+    The optimizer is found when the graph runs, not named in it: Dynamo may reuse a compiled graph for another
+    engine over a model of the same structure (the same shard order). ``after``: values whose computation last
+    reads the shard in this graph; they are inputs only so that every lowering runs this op after them (the early
+    step may update an in-place shard)."""
+    for opt in list(_SINKS.values()):
+        if opt.early_gate is not None and opt.early_gate():
+            opt.hand_off(shard, grad)
+            return
+
+
+@offload_gradient.register_fake
+def _offload_gradient_fake(grad: torch.Tensor, after: list[torch.Tensor], shard: int) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.dscompile.offload_gradient.default)  # kept by DCE and by Inductor
+OFFLOAD_GRADIENT = torch.ops.dscompile.offload_gradient.default
+
+
 def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of element-wise optimizer state per fp32 parameter element (8 for Adam), from one probe step."""
     group = optimizer.param_groups[0] if optimizer.param_groups else dict(optimizer.defaults)
@@ -733,4 +950,4 @@ def host_threads_from_fraction(fraction: float | None) -> int | None:
     return max(1, int(round(fraction * (os.cpu_count() or 1))))
 
 
-__all__ = ["ALIGN", "OffloadSettings", "OffloadedOptimizer", "host_threads_from_fraction", "state_bytes_per_element"]
+__all__ = ["ALIGN", "OFFLOAD_GRADIENT", "OffloadSettings", "OffloadedOptimizer", "gradient_sink_of", "host_threads_from_fraction", "state_bytes_per_element"]
