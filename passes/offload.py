@@ -283,6 +283,7 @@ class ParamOffload(EngineExtension):
             nvme_path=op.nvme_path,
             pin_memory=op.pin_memory,
             prefetch_distance=self.plan.prefetch_distance,
+            write_behind=self.plan.write_behind,
             block_size=aio["block_size"],
             io_threads=aio["io_threads"],
             verify_reads=bool(self.config.debug),
