@@ -16,7 +16,13 @@ and AdamW for every peer; each peer runs in its own spawn of ranks (so memory is
 On a CPU-only machine the host is the device, so ``cpu`` offload moves nothing (the shard is its own
 master) and is there for its step time; ``nvme`` is what frees memory. Step time is the median of
 the steady steps; peak memory the highest resident set size sampled every millisecond during them,
-minus the resident size before the model was built. Every process runs with
+minus the resident size before the model was built. ``states MiB`` is the model-state memory a rank holds
+at its fullest, right after backward (``engine.model_state_bytes()``: distinct storages of parameters and
+shards, gradients and the optimizer states in memory; FSDP2's local shards likewise; not known for
+DeepSpeed): what offload is meant to remove, without the activations, temporaries, compiled code and
+allocator caches that the peak also holds. Both are honest and differ on purpose: with ``offload_param`` the
+shards leave the states column entirely, while the peak still holds the gradients, the optimizer states and
+the few parameters in use and read ahead or being written back. Every process runs with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers go back to the system at once (resident memory then
 measures what a peer holds, not what glibc caches). Prints one table per world size with ratios to
 ``dscompile-none``, and each peer's losses (offload must not change them).
@@ -61,8 +67,9 @@ def _offload_section(device: str, args: dict[str, Any], rank_dir: str) -> dict[s
     return {"device": "nvme", "nvme_path": rank_dir, "buffer_count": args["buffers"]}
 
 
-def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[Any, Any]:
-    """Return (step(batch) -> loss, swap_bytes() -> int) for one peer."""
+def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str, states: list[int]) -> tuple[Any, Any]:
+    """Return (step(batch) -> loss, swap_bytes() -> int) for one peer; ``step`` appends to ``states`` the model-state
+    bytes resident after backward (parameters, gradients, optimizer states: distinct storages), where a peer knows them."""
     model = case.model
     family, device = peer.split("-", 1) if "-" in peer else (peer, "none")
     if family in ("dscompile", "deepspeed"):
@@ -84,8 +91,8 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
             params_ext = engine.extension("zero_offload_param")
 
             def swap() -> int:
-                states = engine.optimizer.expected_swap_bytes() if extension is not None and extension.optimizer is not None else 0
-                return states + (params_ext.store.file_bytes() if params_ext is not None else 0)
+                optimizer_files = engine.optimizer.expected_swap_bytes() if extension is not None and extension.optimizer is not None else 0
+                return optimizer_files + (params_ext.store.file_bytes() if params_ext is not None else 0)
 
             # cpu offload: host steps handed off (and started, finished) during backward, and the host step seconds
             swap.early = lambda: {k: v for k, v in (extension.counters() if extension is not None else {}).items()  # type: ignore[attr-defined]
@@ -100,6 +107,8 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
         def step(batch: tuple) -> float:
             loss = engine(*batch)
             engine.backward(loss)
+            if family == "dscompile":
+                states.append(engine.model_state_bytes())
             engine.step()
             return loss.item()
 
@@ -117,6 +126,11 @@ def _build(peer: str, case: Any, args: dict[str, Any], nvme_dir: str) -> tuple[A
     def fsdp_step(batch: tuple) -> float:
         loss = model(*batch)
         loss.backward()
+        local = [t.to_local() if hasattr(t, "to_local") else t for p in model.parameters() for t in (p, p.grad) if t is not None]
+        local += [v.to_local() if hasattr(v, "to_local") else v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+        from dscompile.runtime.zero_shard import state_bytes
+
+        states.append(state_bytes(local))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
@@ -137,12 +151,14 @@ def peer_rank(rank: int, world: int, peer: str, args: dict[str, Any]) -> dict[st
     batches = _batches(case, rank, args["warmup"] + args["steps"])
     nvme_dir = os.path.join(args["nvme_path"], f"{peer}-world{world}")
     os.makedirs(nvme_dir, exist_ok=True)
-    step, swap_bytes = _build(peer, case, args, nvme_dir)
+    states: list[int] = []
+    step, swap_bytes = _build(peer, case, args, nvme_dir, states)
     losses, times, peak = timed_steps(step, batches, args["warmup"], barrier=dist.barrier)
     early = getattr(swap_bytes, "early", None)
     if rank == 0 and early is not None and early():
         print(f"world {world} {peer}: {early()}", flush=True)
-    return {"step_s": statistics.median(times), "peak_bytes": peak - baseline, "losses": losses, "params": params, "swap_bytes": swap_bytes()}
+    return {"step_s": statistics.median(times), "peak_bytes": peak - baseline, "losses": losses, "params": params, "swap_bytes": swap_bytes(),
+            "state_bytes": max(states) if states else None}
 
 
 def main() -> None:
@@ -198,6 +214,7 @@ def main() -> None:
                 "step_s": max(r["step_s"] for r in ranks),
                 "peak_bytes": max(r["peak_bytes"] for r in ranks),
                 "swap_bytes": max(r["swap_bytes"] for r in ranks),
+                "state_bytes": None if ranks[0]["state_bytes"] is None else max(r["state_bytes"] for r in ranks),
                 "losses": [sum(v) / len(ranks) for v in zip(*(r["losses"] for r in ranks), strict=True)],
                 "params": ranks[0]["params"],
             }
@@ -213,15 +230,20 @@ def main() -> None:
         print(f"{opts.rounds} round(s), peers alternated; medians over rounds, spread = (max-min)/median; ratios: median of the per-round "
               "ratios [min-max]")
         base = results.get("dscompile-none")
-        header = f"{'peer':18} {'step ms':>9} {'spread':>7} {'vs none':>20} {'peak MiB':>9} {'vs none':>20} {'swap MiB/rank':>14}  losses (last round)"
+        header = (f"{'peer':18} {'step ms':>9} {'spread':>7} {'vs none':>20} {'peak MiB':>9} {'vs none':>20} {'states MiB':>10} {'vs none':>8} "
+                  f"{'swap MiB/rank':>14}  losses (last round)")
         print(header)
         print("-" * len(header))
         for peer, runs in results.items():
             step_s, spread = median_spread(r["step_s"] for r in runs)
             peak = statistics.median(r["peak_bytes"] for r in runs)
             losses = " ".join(f"{v:.4f}" for v in runs[-1]["losses"])
+            states = runs[-1]["state_bytes"]
+            base_states = base[-1]["state_bytes"] if base else None
+            states_cell = "-" if states is None else f"{states / 2**20:.0f}"
+            states_ratio = f"{states / base_states:.2f}x" if states is not None and base_states else "-"
             print(f"{peer:18} {step_s * 1e3:9.0f} {spread:6.0%} {ratio_cell(runs, base):>20} {peak / 2**20:9.0f} "
-                  f"{ratio_cell(runs, base, 'peak_bytes'):>20} {runs[-1]['swap_bytes'] / 2**20:14.0f}  {losses}")
+                  f"{ratio_cell(runs, base, 'peak_bytes'):>20} {states_cell:>10} {states_ratio:>8} {runs[-1]['swap_bytes'] / 2**20:14.0f}  {losses}")
         print()
 
 if __name__ == "__main__":

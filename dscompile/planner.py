@@ -15,7 +15,9 @@ partitioned shard goes to the host or NVMe (persistent, kept-whole parameters st
 ``offload_memory_limit`` only the shards that do not fit beside the other model states, and
 it sets the read-ahead distance (how many shards are read ahead of their all-gather, in the order the
 graphs use them) from ``buffer_count``, capped so the shards in flight stay within ``buffer_count x
-buffer_size`` and ``max_in_cpu`` elements (at least one shard is always read).
+buffer_size`` and ``max_in_cpu`` elements (at least one shard is always read); the optimizer step's shard reads
+are part of that order (read ahead from the end of backward). It also sets how many shard writes stay in flight
+after the step (write-behind: the largest shards whose buffers fit in the same window; at least one).
 
 For NVMe it also sizes the swap tiles (``nvme_tile_elements``) when ``sub_group_size`` is not given:
 large enough that each tile's read and write is many ``block_size`` calls, small enough that the
@@ -234,6 +236,7 @@ class ParamPlan:
     world: int
     rows: list[PlanRow] = field(default_factory=list)
     prefetch_distance: int = 1
+    write_behind: int = 1  # shard writes left in flight after the optimizer step updated them
     window_elements: int = 0  # the cap on elements read ahead (buffer_count x buffer_size, max_in_cpu)
     limit: int = 0  # bytes of model states per rank (offload_memory_limit); 0: none, every partitioned shard moves
     other_device_bytes: int = 0  # model-state bytes per rank on the device besides the partitioned shards
@@ -255,7 +258,7 @@ class ParamPlan:
     def table(self) -> str:
         title = (
             f"parameter offload plan: ZeRO-3, world {self.world}, offload_param.device={self.device}, "
-            f"read ahead {self.prefetch_distance} shard(s) (window {self.window_elements} elements), "
+            f"read ahead {self.prefetch_distance} shard(s), write behind {self.write_behind} (window {self.window_elements} elements), "
             f"limit {_mib(self.limit) if self.limit > 0 else 'none'} per rank"
         )
         lines = _placement_table(title, "shard bytes", self.rows)
@@ -317,4 +320,11 @@ def plan_param_offload(
     while distance < min(int(buffer_count), len(largest)) and sum(largest[: distance + 1]) <= window:
         distance += 1
     plan.prefetch_distance = max(1, distance)
+    # Writes after the optimizer step: each updated shard's buffer is written back in the background while the step
+    # and the next forward go on (only a read of the same shard waits for its write). Their buffers are parameter
+    # elements held in host memory, so as many writes stay in flight as the largest shards fit in the window.
+    behind = 0
+    while behind < len(largest) and sum(largest[: behind + 1]) <= window:
+        behind += 1
+    plan.write_behind = max(1, behind)
     return plan

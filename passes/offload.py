@@ -125,7 +125,8 @@ class OffloadParamConfig:
     and read buffers when CUDA exists. ``buffer_count``: how many shards are read ahead of their all-gather
     (the planner's prefetch distance). ``buffer_size`` and ``max_in_cpu`` (elements) cap the read-ahead
     window: the planner lowers the distance until the largest shards in flight fit in ``buffer_count x
-    buffer_size`` and in ``max_in_cpu`` (one shard is always read). Read buffers are sized to each shard,
+    buffer_size`` and in ``max_in_cpu`` (one shard is always read); the same window caps the shard writes left in
+    flight after the optimizer step (``ParamPlan.write_behind``). Read buffers are sized to each shard,
     so there is no fixed pool of ``buffer_size`` buffers.
     """
 
@@ -437,6 +438,7 @@ class ParamOffload(EngineExtension):
             nvme_path=op.nvme_path,
             pin_memory=op.pin_memory,
             prefetch_distance=self.plan.prefetch_distance,
+            write_behind=self.plan.write_behind,
             block_size=aio["block_size"],
             io_threads=aio["io_threads"],
             verify_reads=bool(self.config.debug),

@@ -320,6 +320,7 @@ def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptio
         return gm
     graph = gm.graph
     counts = {"all_gather": 0, "reduce_scatter": 0, "use": 0}
+    in_place: list[torch.fx.Node] = []
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -328,11 +329,17 @@ def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptio
             graph.erase_node(node)
             counts["use"] += 1
         elif node.target is zero_ops.GATHER:
+            source = node.args[0]
             if _insert_gather(graph, node):
                 counts["all_gather"] += 1
+            elif node._erased:  # an offloaded shard's read used in place (world 1)
+                in_place.append(source)
         elif node.target is zero_ops.REDUCE_SCATTER:
             if _insert_reduce_scatter(graph, node):
                 counts["reduce_scatter"] += 1
+    if in_place:
+        _pin_reads(graph, in_place)
+        counts["param_loads_in_place"] = len(in_place)
     ctx.analysis.setdefault("zero", {})[ctx.graph_kind] = counts
     log.debug("%s: inserted %s", ctx.graph_name, counts)
     return gm
@@ -365,6 +372,9 @@ def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     if world is None:
         log.info("%s: no process group, leaving the eager zero_gather in place", node.name)
         return False
+    if world == 1 and isinstance(shard, torch.fx.Node) and shard.target is zero_ops.PARAM_LOAD and len(shard.users) == 1:
+        _use_loaded_shard(graph, node, shard, shape, numel)
+        return False
     length = node_value(shard).shape[0]
     users = list(node.users)
     with graph.inserting_before(node):
@@ -385,6 +395,68 @@ def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
         for item in chain:
             first.prepend(item)
     return True
+
+
+def _use_loaded_shard(graph: torch.fx.Graph, node: torch.fx.Node, shard: torch.fx.Node, shape: list[int], numel: int) -> None:
+    """offload_param at world 1: the shard read from the host/NVMe is the whole parameter, and that fresh buffer
+    is nobody else's, so it is used in place: no all-gather copy, and no second full-size tensor alive while
+    the read one waits for its gather (the prefetch window then holds the parameters once, as without offload).
+    The read moves right before the first use (the store reads it ahead in the background), pinned after the
+    nearest tensor computed before that point (``zero_param_load_after``) so the lowering keeps it there."""
+    users = list(node.users)
+    with graph.inserting_before(node):
+        value = shard
+        if numel != node_value(shard).shape[0]:
+            value = new_node(graph, aten.slice.Tensor, (value, 0, 0, numel))
+        value = new_node(graph, aten.view.default, (value, list(shape)))
+    node.replace_all_uses_with(value)
+    graph.erase_node(node)
+    if not users:
+        return
+    # The parameter's views (a Linear's ``t``) may sit far ahead of the op that reads it: move them with the read,
+    # right before the first op that is not a view of it.
+    views = _view_closure(value)
+    order = _position(graph)
+    consumers = [u for v in [value, *views] for u in v.users if u not in views]
+    first = min(consumers, key=order)
+    chain = [shard] + ([value.args[0]] if value.args[0] is not shard else []) + [value] + sorted(views, key=order)
+    for item in chain:
+        first.prepend(item)
+
+
+def _pin_reads(graph: torch.fx.Graph, reads: list[torch.fx.Node]) -> None:
+    """Once every read is in its final place: each one after the nearest tensor computed before it."""
+    for shard in reads:
+        after = shard.prev
+        while after.op == "call_function" and not isinstance(after.meta.get("val"), torch.Tensor):
+            after = after.prev
+        if after.op != "call_function":
+            continue  # nothing computed before it: the read is first anyway
+        with graph.inserting_before(shard):
+            pinned = new_node(graph, zero_ops.PARAM_LOAD_AFTER, (*shard.args, after))
+        if "stack_trace" in shard.meta:
+            pinned.meta["stack_trace"] = shard.meta["stack_trace"]
+        shard.replace_all_uses_with(pinned)
+        graph.erase_node(shard)
+
+
+_VIEWS = {aten.t.default, aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+          aten.expand.default, aten.alias.default, aten.slice.Tensor, aten.unsqueeze.default, aten.squeeze.dim}
+
+
+def _view_closure(value: torch.fx.Node) -> set[torch.fx.Node]:
+    """The view ops over ``value`` (transitively) whose only tensor input is ``value`` or another of them."""
+    found: set[torch.fx.Node] = set()
+    frontier = [value]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in found or user.op != "call_function" or user.target not in _VIEWS:
+                continue
+            if all(i is value or i in found for i in user.all_input_nodes):
+                found.add(user)
+                frontier.append(user)
+    return found
 
 
 def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:

@@ -139,4 +139,21 @@ def _load_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor)
 
 zero_param_load.register_autograd(_load_backward, setup_context=_load_setup)
 
+
+
+@torch.library.custom_op("dscompile::zero_param_load_after", mutates_args=())
+def zero_param_load_after(shard: torch.Tensor, store: int, index: int, after: torch.Tensor) -> torch.Tensor:
+    """``zero_param_load`` that the lowering cannot run before ``after`` exists (``after`` is not read): the
+    ``zero`` pass pins a read used in place (world 1) right before its use with it. Without the pin, Inductor's
+    reordering for peak memory runs every read first (it takes the released ``shard`` each read consumes for
+    memory freed), and every read buffer stays alive until its use."""
+    return PARAM_SOURCES[store].load(index, shard)  # type: ignore[attr-defined]
+
+
+@zero_param_load_after.register_fake
+def _zero_param_load_after_fake(shard: torch.Tensor, store: int, index: int, after: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(shard)
+
+
 PARAM_LOAD = torch.ops.dscompile.zero_param_load.default
+PARAM_LOAD_AFTER = torch.ops.dscompile.zero_param_load_after.default

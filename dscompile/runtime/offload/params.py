@@ -8,12 +8,17 @@ The authoritative copy lives in a host tensor (``device: cpu``, pinned when aske
 - In the graphs, ``zero_param_load`` (``runtime/zero_ops.py``) sits right before each shard's all-gather
   (forward, and again in backward: it is always recomputed, never saved). It returns the shard from the
   store: a host→device copy for ``cpu``; for ``nvme`` the file read into a fresh buffer, which dies with
-  the graph's last use of it (after the gather). The first step records the order the graphs load shards
-  in; afterwards every load issues the reads of the next ``prefetch_distance`` shards of that order, and
-  the end of each step reads the first ones ahead of the next forward.
+  the graph's last use of it (after the gather; at world 1 the ``zero`` pass uses it in place as the
+  parameter, with no gather). The first step records the order the shards are read in: the graphs' loads
+  and then the optimizer step's reads (``resident`` with explicit shards); afterwards every read issues the
+  reads of the next ``prefetch_distance`` shards of that order, so the step's first shards are read during
+  backward and the next forward's first ones during the step.
 - Around the optimizer step, checkpoints and ``full_parameters`` the shards are made resident
   (``resident``): the shard's data becomes the read buffer (or the host copy); on exit that buffer is
-  written back and the shard holds no storage again. Read-ahead buffers are dropped before that, so no read crosses a write.
+  written back and the shard holds no storage again. The step's writes are left in flight (write-behind,
+  at most ``write_behind`` of them, on their own threads): the next read of the same shard is queued
+  behind its write, a read of it started earlier is dropped as stale, and nothing else waits for them.
+  Checkpoints and ``full_parameters`` (``resident()`` of every shard) wait for every write.
   With ``offload_optimizer`` the step does this tile by tile (``OffloadedOptimizer.residency``).
 """
 
@@ -42,6 +47,7 @@ class ParamOffloadSettings:
     nvme_path: str | None = None
     pin_memory: bool = False
     prefetch_distance: int = 1
+    write_behind: int = 1  # shard writes left in flight after the step (their buffers alive) before the oldest is waited on
     block_size: int = 1 << 20
     io_threads: int = 4
     verify_reads: bool = False
@@ -69,8 +75,13 @@ class ParamStore:
         self.recording = True
         self.cursor = 0
         self.inflight: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self.writes: dict[int, tuple[torch.Tensor, Future[None]]] = {}  # write-behind: shard -> (buffer, its write)
         self.loads = 0
         self.prefetch_hits = 0
+        self.step_reads = 0
+        self.step_prefetch_hits = 0
+        self.reads_after_write = 0
+        self.write_waits = 0
         self.bytes_loaded = 0
         if settings.device == "nvme":
             if not settings.nvme_path:
@@ -79,7 +90,7 @@ class ParamStore:
                 raise DSCompileConfigError("zero_optimization.offload_param.nvme_path", "is required with device nvme", "set it to a fast disk directory")
             self.swap = SwapDirectory(
                 settings.nvme_path, rank, block_size=settings.block_size, threads=settings.io_threads, verify=settings.verify_reads,
-                key="zero_optimization.offload_param", contents="parameter shards",
+                key="zero_optimization.offload_param", contents="parameter shards", write_pool=True,
             )
             for path in sorted(self.swap.root.glob("param_*.swp")):  # an earlier run's shards: never read again
                 path.unlink(missing_ok=True)
@@ -114,9 +125,44 @@ class ParamStore:
         self.swap.wait(self.swap.write(self.file_name(i), buf))
 
     def _start_read(self, i: int) -> tuple[torch.Tensor, Future[None]]:
+        """Read shard ``i``'s file into a fresh buffer; queued behind the shard's own write when one is in flight."""
         assert self.swap is not None
         buf = aligned_buffer(align_up(self._nbytes(i)), self.settings.pin_memory)
-        return buf, self.swap.read(self.file_name(i), buf)
+        pending = self.writes.get(i)
+        after = pending[1] if pending is not None and not pending[1].done() else None
+        if after is not None:
+            self.reads_after_write += 1
+        return buf, self.swap.read(self.file_name(i), buf, after=after)
+
+    def _start_write(self, i: int, buf: torch.Tensor) -> None:
+        """Write shard ``i`` back from ``buf`` in the background (write-behind): nothing waits for it but the next read
+        of the same shard (queued behind it) and, past ``write_behind`` writes in flight, the oldest write."""
+        assert self.swap is not None
+        self.inflight.pop(i, None)  # a read of the old value started earlier is stale: dropped (it only fills its own buffer)
+        self._reap_writes()
+        previous = self.writes.pop(i, None)
+        if previous is not None:
+            self.swap.wait(previous[1])
+        self.writes[i] = (buf, self.swap.write(self.file_name(i), buf))
+        while sum(not fut.done() for _, fut in self.writes.values()) > max(1, self.settings.write_behind):
+            oldest = next(k for k, (_, fut) in self.writes.items() if not fut.done())
+            self.write_waits += 1
+            self.swap.wait(self.writes.pop(oldest)[1])
+
+    def _reap_writes(self) -> None:
+        """Forget finished writes (their buffers die here), raising a failed one's error (it names the file)."""
+        for k in [k for k, (_, fut) in self.writes.items() if fut.done()]:
+            _, fut = self.writes.pop(k)
+            assert self.swap is not None
+            self.swap.wait(fut)
+
+    def flush(self) -> None:
+        """Wait for every write in flight (the files then hold the current values)."""
+        if self.swap is None:
+            return
+        while self.writes:
+            _, fut = self.writes.pop(next(iter(self.writes)))
+            self.swap.wait(fut)
 
     def _value(self, i: int, buf: torch.Tensor) -> torch.Tensor:
         shard = self.shards[i]
@@ -132,7 +178,7 @@ class ParamStore:
         """Shard ``i``'s stored value (a fresh host tensor), whatever its residency."""
         if self.swap is None:
             return self.host[i].clone()
-        buf, fut = self._start_read(i)
+        buf, fut = self._start_read(i)  # behind the shard's write in flight, if any
         self.swap.wait(fut)
         return self._value(i, buf).clone()
 
@@ -145,6 +191,7 @@ class ParamStore:
         if self.swap is None:
             out = self.host[i].to(like.device, copy=True, non_blocking=self.host[i].is_pinned())
         else:
+            self._reap_writes()
             entry = self.inflight.pop(i, None)
             if entry is None:
                 entry = self._start_read(i)
@@ -188,10 +235,13 @@ class ParamStore:
         self.inflight.clear()
 
     def end_step(self) -> None:
-        """After an optimizer step (values written back): fix the use order, read the first shards ahead."""
+        """After an optimizer step (values being written back): fix the read order, read the first shards ahead."""
         if self.recording and self.order:
             self.recording = False
-            log.info("offload_param: %d shard loads per step recorded; reading %d ahead", len(self.order), self.settings.prefetch_distance)
+            log.info(
+                "offload_param: %d shard reads per step recorded (forward, backward, optimizer step); reading %d ahead, %d write(s) behind",
+                len(self.order), self.settings.prefetch_distance, self.settings.write_behind,
+            )
         self.cursor = 0
         self._prefetch()
 
@@ -202,16 +252,36 @@ class ParamStore:
 
         No copy where it can be avoided: for nvme the shard's data becomes the read buffer itself (the step
         updates it in place and the same buffer is written back); for cpu on a host-only run, the host copy itself.
+
+        With explicit ``indices`` (the optimizer step, shard by shard or tile by tile) the reads are part of the
+        recorded read order, so they are read ahead like the graphs' loads (the step's first shards during
+        backward), and the writes are left in flight (``_start_write``). Without (checkpoints, full parameters)
+        every shard is read, and every write waited for on exit.
         """
-        self._drop_prefetches()
+        every = indices is None
+        if every:
+            self._drop_prefetches()
+            self.flush()
         offloaded = set(self.indices)
-        wanted = [i for i in (self.indices if indices is None else indices) if i in offloaded and _is_released(self.shards[i])]
+        wanted = [i for i in (self.indices if every else indices) if i in offloaded and _is_released(self.shards[i])]
         buffers: dict[int, torch.Tensor] = {}
         with torch.no_grad():
+            entries: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+            if self.swap is not None:
+                for i in wanted:
+                    if not every:
+                        self._advance(i)
+                        self.step_reads += 1
+                    entry = None if every else self.inflight.pop(i, None)
+                    if entry is not None:
+                        self.step_prefetch_hits += 1
+                    entries[i] = entry if entry is not None else self._start_read(i)
+                if not every:
+                    self._prefetch()
             for i in wanted:
                 shard = self.shards[i]
                 if self.swap is not None:
-                    buf, fut = self._start_read(i)
+                    buf, fut = entries[i]
                     self.swap.wait(fut)
                     buffers[i] = buf
                     value = self._value(i, buf)
@@ -226,21 +296,28 @@ class ParamStore:
                 for i in wanted:
                     shard = self.shards[i]
                     if self.swap is not None:
-                        self.swap.wait(self.swap.write(self.file_name(i), buffers[i]))
+                        self._start_write(i, buffers[i])
                     elif shard.data.data_ptr() != self.host[i].data_ptr():
                         self.host[i].copy_(shard.data)
                     shard.data = self.released[i]
+                if every:
+                    self.flush()
 
     def counters(self) -> dict[str, int]:
         return {
             "param_loads": self.loads,
             "param_prefetch_hits": self.prefetch_hits,
+            "param_step_reads": self.step_reads,
+            "param_step_prefetch_hits": self.step_prefetch_hits,
+            "param_reads_after_write": self.reads_after_write,
+            "param_write_waits": self.write_waits,
             "param_bytes_loaded": self.bytes_loaded,
             "param_offloaded_shards": len(self.indices),
         }
 
     def close(self) -> None:
         self._drop_prefetches()
+        self.flush()
         zero_ops.PARAM_SOURCES.pop(self.id, None)
         if self.swap is not None:
             self.swap.close()

@@ -95,6 +95,7 @@ class SwapDirectory:
         verify: bool = False,
         key: str = "zero_optimization.offload_optimizer",
         contents: str = "optimizer states",
+        write_pool: bool = False,
     ) -> None:
         self.key, self.contents = key, contents  # named in error messages: the config section and what the files hold
         base = Path(nvme_path)
@@ -116,6 +117,9 @@ class SwapDirectory:
         if direct and not self.direct:
             log.info("NVMe offload: %s does not take O_DIRECT; using buffered I/O (the page cache may hold swapped bytes)", self.root)
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="dscompile-swap")
+        # ``write_pool``: writes get threads of their own, so a read never queues behind writes of other files (a
+        # read of the same file is ordered after its write with ``read(after=)``); without, one pool in submission order.
+        self.writer = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="dscompile-swap-w") if write_pool else self.pool
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
@@ -208,11 +212,20 @@ class SwapDirectory:
 
     def write(self, name: str, buffer: torch.Tensor) -> Future[None]:
         """Write ``buffer`` (aligned uint8, a multiple of ``ALIGN`` bytes) as file ``name``, in the background."""
-        return self.pool.submit(self._write, name, buffer)
+        return self.writer.submit(self._write, name, buffer)
 
-    def read(self, name: str, buffer: torch.Tensor) -> Future[None]:
-        """Fill ``buffer`` from the start of file ``name``, in the background."""
-        return self.pool.submit(self._read, name, buffer)
+    def read(self, name: str, buffer: torch.Tensor, after: Future[None] | None = None) -> Future[None]:
+        """Fill ``buffer`` from the start of file ``name``, in the background; ``after`` (a write of the same file
+        submitted earlier) finishes first. No deadlock: writes never wait for reads, and with one pool the tasks start
+        in submission order, so ``after`` is running or done when this read starts."""
+        if after is None:
+            return self.pool.submit(self._read, name, buffer)
+
+        def read_after() -> None:
+            after.result()
+            self._read(name, buffer)
+
+        return self.pool.submit(read_after)
 
     def wait(self, future: Future[None]) -> None:
         """Block on ``future`` (its error, naming the path, is raised here), counting the time waited."""
@@ -228,6 +241,8 @@ class SwapDirectory:
 
     def close(self, remove: Callable[[str], bool] | None = None) -> None:
         self.pool.shutdown(wait=True)
+        if self.writer is not self.pool:
+            self.writer.shutdown(wait=True)
         if remove is not None:
             for p in list(self.root.iterdir()):
                 if remove(p.name):
