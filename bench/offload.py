@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
     parser.add_argument("--tile", type=int, default=1 << 21, help="NVMe tile (sub_group_size), elements")
-    parser.add_argument("--buffers", type=int, default=3, help="NVMe tile buffers (buffer_count)")
+    parser.add_argument("--buffers", type=int, default=4,
+                        help="NVMe tile buffers (buffer_count; DeepSpeed's default 4: its swapper fails its second step with 3)")
     parser.add_argument("--nvme-path", default=None, help="swap directory (default: a new temporary directory)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (compilation happens here)")
