@@ -287,12 +287,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     self.state[self.shards[piece.shard]] = self.host_opt.state[piece.master]
 
     # -- construction ----------------------------------------------------------------------------
+    def _own_master(self, shard: torch.Tensor) -> bool:
+        """The shard is an fp32 host tensor (the host is the device), so it serves as its own master: no copy to keep."""
+        return shard.device.type == "cpu" and shard.dtype == torch.float32 and not self.settings.separate_master
+
     def _init_cpu(self, group_of: dict[int, int]) -> None:
         pin = self.settings.pin_memory and torch.cuda.is_available()
         self._host_grads: dict[int, torch.Tensor] = {}
         for i in self.offloaded:
             shard = self.shards[i]
-            inplace = shard.device.type == "cpu" and shard.dtype == torch.float32 and not self.settings.separate_master
+            inplace = self._own_master(shard)
             if inplace:
                 # the host is the device and the shard is fp32: it is its own master. The host optimizer steps an alias
                 # (same storage and version counter) whose .grad is its own, so a step may run while autograd sets the shard's.
@@ -316,9 +320,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             path.unlink(missing_ok=True)
         if stale:
             log.info("NVMe offload: removed %d swap file(s) of an earlier run from %s", len(stale), self.swap.root)
-        self.masters_in_files = s.separate_master or not all(
-            self.shards[i].device.type == "cpu" and self.shards[i].dtype == torch.float32 and self.shards[i].is_contiguous() for i in self.offloaded
-        )
+        self.masters_in_files = not all(self._own_master(self.shards[i]) and self.shards[i].is_contiguous() for i in self.offloaded)
         tile_elements = max(CUT_ELEMENTS, int(s.tile_elements))
         current: list[_Piece] = []
         filled = 0
