@@ -29,7 +29,7 @@ from dscompile.runtime.inference.config import InferenceConfig, parse_inference_
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
 
-FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_inference_epilogues")
+FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_rotary_embedding", "fuse_cache_attention", "fuse_inference_epilogues")
 
 
 def inference_pipeline(config: InferenceConfig) -> str:
