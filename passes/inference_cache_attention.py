@@ -2,7 +2,8 @@
 
 With a static cache of ``max_out_tokens`` slots, the prefill and decode graphs of a Hugging Face
 model attend over the whole cache: ``scaled_dot_product_attention(q, K, V, attn_mask=mask)`` where
-``K``/``V`` are the cache tensors (graph inputs, written in place by the step) or their
+``K``/``V`` are the cache tensors (graph inputs, written in place by the step; in an ATen graph the
+result of that write) or their
 grouped-query repeat (``cache[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``,
 a full copy of the cache per layer per token), and ``mask`` is boolean with the unwritten slots
 False. ``fuse_cache_attention`` (pre-autograd graph, inference only) replaces each such call by one
@@ -79,20 +80,32 @@ def _view_step(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def is_cache(node: torch.fx.Node) -> bool:
+    """A graph input, or an in-place write into one (an ATen graph reads the cache as ``index_copy_``'s result)."""
+    if node.op == "placeholder":
+        return True
+    src = node.args[0] if node.args else None
+    if not isinstance(src, torch.fx.Node) or src.op != "placeholder":
+        return False
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
 def cache_source(node: Any, heads: Any) -> torch.fx.Node | None:
-    """The cache (a graph input ``[b, kv, s, d]``) that ``node`` is, or repeats to ``heads`` heads; else None."""
+    """The cache (a graph input ``[b, kv, s, d]``, or a write into one) that ``node`` is or repeats to ``heads`` heads; else None."""
     if not isinstance(node, torch.fx.Node):
         return None
     value = _value(node)
     if value is None or value.dim() != 4:
         return None
-    if node.op == "placeholder":
+    if is_cache(node):
         return node
     # repeat_kv: [b, kv, s, d] -> [b, kv, 1, s, d] -> [b, kv, rep, s, d] -> [b, kv * rep, s, d], each step a view op
     chain = [node]
     while len(chain) < 4 and (step := _view_step(chain[-1])) is not None:
         chain.append(step)
-    if len(chain) != 4 or chain[-1].op != "placeholder":
+    if len(chain) != 4 or not is_cache(chain[-1]):
         return None
     shapes = [tuple(_value(n).shape) if _value(n) is not None else () for n in chain]  # type: ignore[union-attr]
     out, expanded, unsqueezed, cache = shapes
