@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.kernels.rotary import rotary_embedding
@@ -84,8 +85,10 @@ def last_dim_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
             if args[4] not in (None, 1):
                 return None
         else:
-            start = args[2]
-            stop = start + args[3] if isinstance(start, int) and isinstance(args[3], int) else None
+            start, length = args[2], args[3]
+            if not (isinstance(start, int) and isinstance(length, int)):
+                return None
+            stop = start + length
         if dim not in (-1, ndim - 1):
             return None
     else:
@@ -135,10 +138,17 @@ def match_rotary(add: torch.fx.Node) -> tuple[torch.fx.Node, Any, Any, list[torc
             if x is None:
                 continue
             for a, cos in (plain_ops, plain_ops[::-1]):
-                if a is not x or not _fits(x, cos) or not _fits(x, sin) or _shape(add) != _shape(x):
+                if a is not x or not _fits(x, cos) or not _fits(x, sin) or not _same_shape(_shape(add), _shape(x)):
                     continue
                 return x, cos, sin, [plain, rotated, cat]
     return None
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    """Equal shapes, symbolic sizes compared without adding guards."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(x == y if isinstance(x, int) and isinstance(y, int) else bool(statically_known_true(x == y)) for x, y in zip(a, b))
 
 
 def _fits(x: torch.fx.Node, table: Any) -> bool:
