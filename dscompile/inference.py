@@ -7,8 +7,8 @@ forward through ``torch.compile(backend="dscompile")``, and ``engine.generate(..
 from a Hugging Face causal LM with a static KV cache of ``max_out_tokens`` slots, so the prefill
 and decode steps are two compiled graphs and the decode graph compiles once
 (``dscompile.runtime.inference.generation``). With ``replace_with_kernel_inject`` the graphs go
-through the inference fusion passes (``passes/inference_fusion.py``) instead of DeepSpeed's
-per-architecture kernel containers; with ``quant`` the weights are stored packed
+through the inference fusion passes instead of DeepSpeed's per-architecture kernel containers
+(``FUSION_PASSES``: shared-input matmuls, rotary embedding, attention over the KV cache, epilogues); with ``quant`` the weights are stored packed
 (``dscompile.runtime.inference.weights``). Under ``tensor_parallel`` both compose: the fusion passes run on
 each rank's split graph, and the layers are packed at the first split, each rank its slices
 (``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call.
@@ -29,7 +29,7 @@ from dscompile.runtime.inference.config import InferenceConfig, parse_inference_
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
 
-FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_inference_epilogues")
+FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_rotary_embedding", "fuse_cache_attention", "fuse_inference_epilogues")
 
 
 def inference_pipeline(config: InferenceConfig) -> str:

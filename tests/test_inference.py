@@ -43,6 +43,9 @@ def tiny(arch: str, **overrides: object) -> torch.nn.Module:
     elif arch == "opt":
         config, cls = tf.OPTConfig, tf.OPTForCausalLM
         kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64, max_position_embeddings=128, word_embed_proj_dim=32, **common)
+    elif arch == "gpt_neox":  # partial rotary: half of each head's channels rotate
+        config, cls = tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM
+        kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, max_position_embeddings=128, rotary_pct=0.5, **common)
     elif arch == "bert":
         config, cls = tf.BertConfig, tf.BertForMaskedLM
         kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64)
@@ -98,13 +101,15 @@ def epilogue_counts(messages: list[str]) -> list[str]:
     return [m.split(": ", 1)[1] for m in messages if "regions fused" in m]
 
 
-def check_against_hf(arch: str, lower: str | None, second_request: bool = False, kernel_inject: bool = False) -> list[str]:
+def check_against_hf(
+    arch: str, lower: str | None, second_request: bool = False, kernel_inject: bool = False, loggers: tuple[str, ...] = ("inference_epilogues",)
+) -> list[str]:
     model = tiny(arch)
     ids, mask = left_padded_batch()
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=64, lower=lower, replace_with_kernel_inject=kernel_inject)
-    with pass_messages("inference_epilogues") as messages:
+    with pass_messages(*loggers) as messages:
         out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref.sequences), (arch, out.sequences, ref.sequences)
     ours = torch.stack(out.logits, dim=1)

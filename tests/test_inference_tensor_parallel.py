@@ -184,6 +184,8 @@ def quantized_and_fused(rank: int, world: int) -> dict[str, Any]:
             "groups": [len(n.meta["dscompile"]["inference_fusion"]["fused"]) for n in matmuls],
             "stacked_rows": [tuple(n.args[1].meta["val"].shape) for n in matmuls],
             "regions": sorted(n.meta["dscompile"]["inference_fusion"]["region"] for n in nodes if "region" in n.meta["dscompile"]["inference_fusion"]),
+            "rotary": sum("rotary" in n.meta["dscompile"]["inference_fusion"] for n in nodes),
+            "cache_attention": sum("cache_attention" in n.meta["dscompile"]["inference_fusion"] for n in nodes),
         }
     out["kernel_inject"] = {
         "same_tokens": torch.equal(got.sequences, ref.sequences),
@@ -242,3 +244,4 @@ def test_tp2_quantized_and_kernel_inject_match_single_process() -> None:
             # stacked rows of the rank's slices: q 16 + k 8 + v 8 (half of 4 heads / 2 KV heads of 8), gate 32 + up 32
             assert graph["stacked_rows"] == [(32, 32), (64, 32)] * 2, (name, graph)
             assert graph["regions"] == ["bias_activation"] * 2 + ["residual_norm"] * 4, (name, graph)
+            assert (graph["rotary"], graph["cache_attention"]) == (4, 2), (name, graph)  # Q and K per layer; one cache attention per layer
