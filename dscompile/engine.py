@@ -47,6 +47,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dscompile.engine")
 
+_ENTRIES_PER_ENGINE = 4
+"""Dynamo cache entries one engine's forward may add (train and eval, a second input shape, ...)."""
+_engines_compiled = 0
+_dynamo_limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
+
+
+def _make_room_for_one_more_engine() -> None:
+    """Raise Dynamo's per-code cache limits by what one more engine may need.
+
+    Dynamo keeps at most ``recompile_limit`` (8) compiled entries per code object, and each engine over a model of
+    the same class adds its own (its guards name its own module). Past the limit Dynamo runs the forward
+    uncompiled, with one log line: the ninth engine in a process (a notebook, a sweep, a GAN's two engines built
+    again) would then train without dscompile's passes, silently. The limits only grow, from the values at import.
+    """
+    global _engines_compiled
+    _engines_compiled += 1
+    config = torch._dynamo.config
+    per_code, accumulated = _dynamo_limits
+    config.recompile_limit = max(config.recompile_limit, per_code + _ENTRIES_PER_ENGINE * _engines_compiled)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, accumulated + _ENTRIES_PER_ENGINE * _engines_compiled)
+
+
 __all__ = [
     "LATEST",
     "MODEL_STATES",
@@ -96,6 +118,8 @@ class DSCompileEngine(nn.Module, EngineCore):
         self._compiled = self._compile(self.compile_target, config)
 
     def _compile(self, target: nn.Module, config: DSConfig) -> Any:
+        if self.compiles_model:
+            _make_room_for_one_more_engine()
         compiled = torch.compile(target, backend="dscompile", options=config) if self.compiles_model else target
         reference = getattr(target, "output_dtype_module", target)  # the user's model behind a wrapper that splits it
         return EngineEntry(compiled, self, self.compute_dtype, reference)  # DeepSpeed's 16-bit convention, loss.backward()

@@ -177,3 +177,44 @@ def test_train_eval_switch_and_inference():
         torch.testing.assert_close(engine(*case.example_inputs), case.model(*case.example_inputs), **EXACT)
     engine.train()
     assert case.model.training
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_many_engines_in_one_process_all_compile(room, monkeypatch):
+    """Each engine over a model of the same class adds Dynamo cache entries for the same code; past Dynamo's
+    per-code limit (8) the forward would run uncompiled, without dscompile's passes, and say nothing. Twelve
+    engines: every one's forward goes through dscompile's compiler (``room=False`` shows the check catches the
+    silent fallback)."""
+    import dscompile.engine as engine_module
+    import dscompile.frontend as frontend
+
+    if not room:
+        monkeypatch.setattr(engine_module, "_ENTRIES_PER_ENGINE", 0)
+    calls = []
+    compile_graph = frontend.GraphCompiler.compile
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return compile_graph(self, *args, **kwargs)
+
+    monkeypatch.setattr(frontend.GraphCompiler, "compile", counted)
+    dynamo = torch._dynamo.config
+    saved = (dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
+    dynamo.recompile_limit, dynamo.accumulated_recompile_limit = engine_module._dynamo_limits
+    compiled = []
+    try:
+        for seed in range(12):
+            torch.manual_seed(seed)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+            # configs that differ (as between a sweep's runs): Dynamo does not reuse one engine's graphs for the next
+            config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "lower": "eager", "steps_per_print": 10 + seed}
+            engine, _, _, _ = dscompile.initialize(model=model, config=config)
+            before = len(calls)
+            engine(torch.randn(2, 4)).sum()
+            compiled.append(len(calls) > before)
+    finally:
+        dynamo.recompile_limit, dynamo.accumulated_recompile_limit = saved
+    if room:
+        assert all(compiled), compiled
+    else:
+        assert not all(compiled), "the fallback this test guards against did not happen: the check proves nothing"
