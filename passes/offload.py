@@ -8,7 +8,7 @@ read-ahead distance.
 ``zero_optimization.offload_optimizer`` (DeepSpeed's keys and defaults) moves the fp32 master shards and
 the optimizer states of ZeRO stages 1-3 to the host (``device: cpu``) or to swap files under
 ``nvme_path`` (``device: nvme``); the engine extension registered here wraps ZeRO's sharded
-optimizer in ``runtime/offload.OffloadedOptimizer`` at engine construction. With ``device: cpu`` and
+optimizer in ``runtime/offload.OffloadedOptimizer`` at engine construction. With ``device: cpu`` (or ``nvme``, below) and
 ZeRO-2/3, the ``offload_gradients`` pass (last before the lowering) adds one ``dscompile::offload_gradient``
 node per host-stepped shard to each backward graph, where its gradient is final (after its bucket's
 reduce-scatter wait; for a shard stepped in place, also after the graph's last read of it): the host
@@ -19,7 +19,9 @@ no ``gradient_clipping``, no overflow check (fp16 loss scaling; bf16 too: its st
 with inf/NaN gradients), no other extension acting on
 ready gradients, ``ignore_unused_parameters`` on. Otherwise every shard is stepped at ``engine.step()``
 as before (its gradient copied from a post-accumulate-grad hook, after the backward graph returned).
-NVMe offload keeps its step at ``engine.step()`` (tiles, not whole shards). The counters
+With ``device: nvme`` the same hand-offs step whole tiles in the backward once every shard cut into a tile has its
+gradient (``OffloadedOptimizer._hand_off_nvme``: on the main thread, the tile reads and writes in flight around it, so
+the swap I/O overlaps backward; the tiles' counter is ``early_tiles``). The counters
 (``communication_stats()`` / ``ext.counters()``) say ``early_host_steps``: ``submitted`` (handed off
 during backward), ``started_in_backward`` and ``finished_in_backward`` (by the worker before backward returned).
 
@@ -305,7 +307,7 @@ class OffloadGradientsOptions:
 def _offload_gradients_rule(config: Any) -> list[Any]:
     """Last before the lowering: the pass reads the backward graph's final gradient values."""
     zc = getattr(config, "sections", {}).get("zero_optimization")
-    if zc is None or zc.stage < 2 or zc.offload_optimizer is None or zc.offload_optimizer.device != "cpu":
+    if zc is None or zc.stage < 2 or zc.offload_optimizer is None or zc.offload_optimizer.device not in ("cpu", "nvme"):
         return []
     return [invocation("offload_gradients")]
 

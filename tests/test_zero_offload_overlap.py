@@ -12,6 +12,7 @@ two forwards per backward fall back to the step at ``engine.step()``.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -25,15 +26,23 @@ from dscompile.testing.distributed import requires_backend, run_distributed_or_f
 
 STEPS = 3
 GAS = 2
+NVME_TILE = 256  # elements (the test model holds ~4K): many tiles, several per shard for the big ones, several shards in the small ones
 
 
 def _engine(
-    stage: int, offload: bool, lower: str, clip: float = 0.0, gas: int = GAS, zero: dict | None = None, bf16: bool = False
+    stage: int, offload: bool | str, lower: str, clip: float = 0.0, gas: int = GAS, zero: dict | None = None, bf16: bool = False
 ) -> tuple[Any, Any]:
+    """``offload``: False, True (cpu), or an NVMe directory (``offload_optimizer`` nvme in small tiles, and with
+    ZeRO-3 ``offload_param`` nvme too: ZeRO-Infinity)."""
     torch.manual_seed(0)
     case = _case("gpt")
     extra = dict(zero or {})
-    if offload:
+    if isinstance(offload, str):
+        extra["sub_group_size"] = NVME_TILE
+        extra["offload_optimizer"] = {"device": "nvme", "nvme_path": offload, "buffer_count": 2}
+        if stage == 3:
+            extra["offload_param"] = {"device": "nvme", "nvme_path": offload}
+    elif offload:
         extra["offload_optimizer"] = {"device": "cpu"}
     config = _config(stage, gas, clip, extra)
     config["lower"] = lower
@@ -58,8 +67,10 @@ def _train(engine: Any, case: Any, rank: int, early: bool = True, gas: int = GAS
             losses.append(loss.item())
     out: dict[str, Any] = {"losses": losses, "params": engine.full_parameters(), "handed": handed}
     if ext is not None:
+        opt = ext.optimizer
         out["counters"] = ext.counters()
-        out["host_shards"] = len(ext.optimizer.pieces)
+        out["host_shards"] = len(opt._tiles_of) if opt.swap is not None else len(opt.pieces)
+        out["tiles"] = len(opt.tiles)
     return out
 
 
@@ -79,13 +90,20 @@ def _expected_handed(shards: int, gas: int = GAS, steps: int = STEPS) -> list[in
 
 
 # -- real gloo ranks: functional reduce-scatters, buckets, overlap -----------------------------------------------
-def overlap_rank(rank: int, world: int) -> dict[str, Any]:
+NVME_CASES = {(2, "eager"), (3, "inductor")}  # NVMe tiles stepped in backward: ZeRO-2, and ZeRO-Infinity as users compile it
+
+
+def overlap_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     # ZeRO-2 with several reduce-scatter buckets issued as their gradients exist; ZeRO-3's defaults overlap already
     zero = {2: {"reduce_bucket_size": 3000, "overlap_comm": True}, 3: {}}
     for stage in (2, 3):
         for lower in ("eager", "inductor"):
-            for name, offload in {"none": False, "early": True}.items():
+            variants: dict[str, bool | str] = {"none": False, "early": True}
+            if (stage, lower) in NVME_CASES:
+                variants["nvme"] = os.path.join(root, f"{stage}-{lower}")
+                os.makedirs(variants["nvme"], exist_ok=True)
+            for name, offload in variants.items():
                 engine, case = _engine(stage, offload, lower, zero=zero[stage])
                 results[f"{stage}/{lower}/{name}"] = _train(engine, case, rank)
                 engine.destroy()
@@ -95,8 +113,8 @@ def overlap_rank(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @requires_backend("gloo")
-def test_early_host_step_is_bitwise_equal_on_gloo_ranks() -> None:
-    results = run_distributed_or_fail(overlap_rank, 2, timeout=420)
+def test_early_host_step_is_bitwise_equal_on_gloo_ranks(tmp_path: Any) -> None:
+    results = run_distributed_or_fail(overlap_rank, 2, str(tmp_path), timeout=420)
     for rank, runs in enumerate(results):
         for stage in (2, 3):
             for lower in ("eager", "inductor"):
@@ -107,6 +125,8 @@ def test_early_host_step_is_bitwise_equal_on_gloo_ranks() -> None:
                 counters = early["counters"]["early_host_steps"]
                 assert counters["submitted"] == STEPS * early["host_shards"]
                 assert 0 <= counters["finished_in_backward"] <= counters["started_in_backward"] <= counters["submitted"]
+                if (stage, lower) in NVME_CASES:
+                    _check_nvme_early(runs[f"{key}/none"], runs[f"{key}/nvme"], f"rank {rank} ZeRO-{stage} {lower}: nvme tiles stepped in backward")
 
 
 # -- one process (no process group: the ZeRO ops' eager path) ----------------------------------------------------
@@ -229,3 +249,47 @@ def test_graph_hands_off_after_the_last_read_of_an_in_place_shard(monkeypatch: p
             assert user in hand_off.args[1], f"{user.name} reads {placeholder.name} but its hand-off does not wait for it"
             readers += 1
     assert readers > 0, "ZeRO-3 re-gathers in backward: some hand-off must wait for a read"
+
+
+# -- NVMe: tiles stepped from the backward graph, their reads and writes overlapping the rest of backward ---------
+def _check_nvme_early(reference: dict[str, Any], run: dict[str, Any], what: str, steps: int = STEPS) -> None:
+    _assert_bitwise(reference, run, what)
+    assert run["handed"] == _expected_handed(run["host_shards"], steps=steps), (what, run["handed"])
+    counters = run["counters"]
+    # every tile stepped during each batch-ending backward (none left for engine.step()); after the first one, the
+    # tiles the forward reads ahead are the ones backward steps first
+    assert counters["early_tiles"] == steps * run["tiles"] and run["tiles"] > 4, (what, counters)
+    assert counters["early_host_steps"]["submitted"] == steps * run["host_shards"], (what, counters)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_tiles_step_during_backward_bitwise(stage: int, tmp_path: Any) -> None:
+    """``offload_optimizer`` nvme (with ZeRO-3 also ``offload_param`` nvme): each tile is stepped in the backward
+    as soon as every shard cut into it has its final gradient, bitwise as the step at ``engine.step()`` and as no
+    offload; a tile stepped from a gradient that is not final yet (the accumulated micro-batch left out) is caught."""
+    reference = _train(*_engine(stage, False, "eager"), 0)
+    late_dir, early_dir = tmp_path / "late", tmp_path / "early"
+    late_dir.mkdir()
+    early_dir.mkdir()
+    late = _train(*_engine(stage, str(late_dir), "eager"), 0, early=False)
+    _assert_bitwise(reference, late, f"ZeRO-{stage} nvme offload, step at engine.step()")
+    assert late["counters"]["early_tiles"] == 0
+    _check_nvme_early(reference, _train(*_engine(stage, str(early_dir), "eager"), 0), f"ZeRO-{stage} nvme tiles stepped in backward")
+
+
+def test_nvme_early_tile_with_partial_gradient_is_caught(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above fails if a tile steps on the micro-batch's own gradient without the accumulated ones."""
+    right = OffloadedOptimizer._hand_off_nvme
+
+    def forgetful(self: OffloadedOptimizer, i: int, grad: torch.Tensor) -> None:
+        shard = self.shards[i]
+        saved, shard.grad = shard.grad, None
+        try:
+            right(self, i, grad)
+        finally:
+            shard.grad = saved
+
+    reference = _train(*_engine(3, False, "eager"), 0)
+    monkeypatch.setattr(OffloadedOptimizer, "_hand_off_nvme", forgetful)
+    run = _train(*_engine(3, str(tmp_path), "eager"), 0)
+    assert not _bitwise(reference, run)

@@ -49,6 +49,17 @@ this class is that optimizer, so the engine, LR schedulers and checkpoints see t
   before its write has finished. Between steps no buffer is kept: the states are on disk only. Scalar
   states (Adam's ``step``) stay in memory.
 
+  The early NVMe step (ZeRO-2/3, the same pass and gate as the cpu one): ``hand_off`` records each shard's
+  final gradient, and a tile is stepped, in the backward, on the main thread, as soon as every shard cut
+  into it has one (``_hand_off_nvme``): its read was started ahead, its write is left in flight, and the
+  next tiles are read into the buffers that free up, so the disk works while backward computes instead
+  of during ``step()``, which only waits for the last writes and steps tiles left over (a shard with no
+  gradient). The first early backward records the order the tiles became ready in; from then on the
+  forward reads ahead the first tiles of that order and backward reads ahead along it. Still at most
+  ``buffer_count`` tile buffers alive; with ``offload_param`` a shard stays resident until its last tile
+  is stepped. Each element is stepped once, by the same fused kernel over the same tile cuts, with the same
+  accumulated gradient: bitwise the step at ``step()``.
+
 Swapping is lossless: the host step runs the same implementation as the un-offloaded step (the user's
 ``foreach``/``fused`` flags, or the fused kernel ZeRO picks when they are left open), so on a CPU-only machine
 training with and without offload is bitwise equal (``tests/test_zero_offload.py``); an accelerator run
@@ -212,8 +223,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Shard index -> (the gradient copied to the host during backward, its version then)."""
         self.gradient_copies = {"during_backward": 0, "at_step": 0}
         self.masters_in_files = True  # nvme: False where each shard is its own fp32 master (the files hold states only)
-        self._prefetched: deque[tuple[int, torch.Tensor, Future[None] | None]] = deque()
-        """Tiles read ahead of the step (``prefetch``): (tile index, its buffer, the read)."""
+        self._prefetched: dict[int, tuple[torch.Tensor, Future[None] | None]] = {}
+        """Tiles read ahead of the step (``prefetch``, and the early NVMe step's read-ahead): tile index -> (its buffer, the read)."""
         self._pending_writes: list[Future[None]] = []
         """The last tiles' writes, finishing behind the step (each holds its buffer until done)."""
         self.prefetched_tiles = 0
@@ -229,6 +240,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._sink_index: dict[int, int] = {}
         self.early_steps = {"submitted": 0, "started_in_backward": 0, "finished_in_backward": 0}
         self.early_step_seconds = 0.0
+        # The early NVMe step: tiles stepped from the backward graph on the main thread, as their shards' gradients
+        # become final (``_hand_off_nvme``); the tile I/O stays asynchronous, so it overlaps the rest of backward.
+        self._tiles_of: dict[int, list[int]] = {}
+        """Shard index -> the tiles holding a piece of it (nvme)."""
+        self._early_grads: dict[int, torch.Tensor] = {}
+        """Shard index -> its final gradient of this batch, handed off before AccumulateGrad set ``.grad``."""
+        self._waiting: dict[int, set[int]] = {}
+        """Tile -> the shards whose final gradient it still waits for (this backward)."""
+        self._early_tiles: set[int] = set()
+        """Tiles stepped during this batch's backward (``step()`` steps only the others)."""
+        self._held: dict[int, contextlib.ExitStack] = {}
+        """Shards made resident (``offload_param``) for early tiles, until the last early tile that holds them."""
+        self._free: list[torch.Tensor] = []
+        self._writes: deque[tuple[torch.Tensor, Future[None]]] = deque()
+        self._ready_order: list[int] | None = None
+        """Tiles in the order the first early backward stepped them: what ``prefetch`` and the read-ahead read."""
+        self._order_now: list[int] = []
+        self._in_use = 0  # the buffer of the tile being stepped early
+        self.early_tiles = 0
         # offload_param: a context manager making the given shards' values resident (their storage is released
         # between uses); the step holds only the shards of the tile it steps.
         self.residency: Any = None
@@ -246,11 +276,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for i in self.offloaded:
             self._versions[i] = self.shards[i]._version
         self._publish_states()
-        if self.swap is None and self.host_opt is not None:
-            self._piece_of = {piece.shard: piece for piece in self.pieces}
-            self._sink_index = {id(self.shards[i]): i for i in self._piece_of}
+        if self.host_opt is not None:
+            if self.swap is None:
+                self._piece_of = {piece.shard: piece for piece in self.pieces}
+            else:
+                for t, tile in enumerate(self.tiles):
+                    for piece in tile.pieces:
+                        if t not in self._tiles_of.setdefault(piece.shard, []):
+                            self._tiles_of[piece.shard].append(t)
+            self._sink_index = {id(self.shards[i]): i for i in (self._piece_of if self.swap is None else self._tiles_of)}
             self.sink = next(_SINK_KEYS)
             _SINKS[self.sink] = self
+
+    def steps_in_place(self, i: int) -> bool:
+        """Whether an early step of shard ``i`` changes the shard itself (then the backward graph must have read it
+        for the last time before the hand-off). NVMe always does: in place, or its master copied back into it."""
+        return self.swap is not None or self._piece_of[i].inplace
 
     def copy_gradients_during_backward(self, when: Any) -> None:
         """Copy each host-mastered shard's gradient to the host from its post-accumulate-grad hook whenever ``when()``
@@ -502,9 +543,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return
         self._retire_writes()  # a tile is read only after its last write has landed
         depth = self._read_depth() if self.settings.pipeline_read else 1
-        for t in range(min(depth, len(self.tiles))):
-            self._prefetched.append(self._start_read(t))
+        for t in self._read_order()[:depth]:
+            _, buf, fut = self._start_read(t)
+            self._prefetched[t] = (buf, fut)
         self.prefetched_tiles += len(self._prefetched)
+
+    def _read_order(self) -> list[int]:
+        """The order the tiles are needed in: as the first early backward stepped them, else their own order."""
+        return self._ready_order if self._ready_order is not None else list(range(len(self.tiles)))
 
     def _retire_writes(self) -> None:
         """Wait for the writes left finishing behind the last step (their errors, naming the file, are raised here)."""
@@ -516,8 +562,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _drop_prefetched(self) -> None:
         """Forget tiles read ahead (their files are about to be rewritten from elsewhere: a checkpoint load)."""
         assert self.swap is not None
-        prefetched, self._prefetched = self._prefetched, deque()
-        for _, _, fut in prefetched:
+        prefetched, self._prefetched = self._prefetched, {}
+        for _, fut in prefetched.values():
             if fut is not None:
                 with contextlib.suppress(Exception):
                     fut.result()
@@ -548,6 +594,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         shard's host step is submitted to the worker thread; backward continues meanwhile. Else nothing happens
         and the shard is stepped at ``step()`` as without the graph hook."""
         if self.early_gate is None or self.host_opt is None or not self.early_gate():
+            return
+        if self.swap is not None:
+            self._hand_off_nvme(i, grad)
             return
         piece = self._piece_of.get(i)
         if piece is None or grad.shape != self.shards[i].shape:
@@ -611,6 +660,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def end_backward(self) -> None:
         """After a backward: count the submitted steps that started (and finished) before it returned."""
+        if self.swap is not None:
+            if self._early_grads or self._order_now or self._held or self._writes:
+                self._end_early_nvme()
+            return
         if not self._early:
             return
         with self._early_lock:
@@ -645,22 +698,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         _SINKS.pop(getattr(self, "sink", -1), None)
 
     def _step_nvme(self) -> None:
-        """Tile by tile: read ahead, step, write behind, with at most ``buffer_count`` tile buffers alive."""
+        """Tile by tile: read ahead, step, write behind, with at most ``buffer_count`` tile buffers alive. Tiles already
+        stepped from this batch's backward (``_hand_off_nvme``) are skipped; the tiles read ahead go first."""
         assert self.swap is not None and self.host_opt is not None
         s = self.settings
         swap = self.swap
         self._retire_writes()
-        reads: deque[tuple[int, torch.Tensor, Future[None] | None]] = self._prefetched
-        self._prefetched = deque()
-        free = [aligned_buffer(self._buffer_bytes(), s.pin_memory) for _ in range(self._read_depth() - len(reads))]
+        reads: dict[int, tuple[torch.Tensor, Future[None] | None]] = self._prefetched
+        self._prefetched = {}
+        todo = [t for t in range(len(self.tiles)) if t not in self._early_tiles]
+        order = [t for t in reads if t not in self._early_tiles] + [t for t in todo if t not in reads]
+        pending = deque(t for t in order if t not in reads)
+        free = [aligned_buffer(self._buffer_bytes(), s.pin_memory) for _ in range(max(0, self._read_depth() - len(reads)))]
         writes: deque[tuple[torch.Tensor, Future[None]]] = deque()
-        next_read = len(reads)
 
         def issue(limit: int) -> None:
-            nonlocal next_read
-            while next_read < len(self.tiles) and free and len(reads) < limit:
-                reads.append(self._start_read(next_read, free.pop()))
-                next_read += 1
+            while pending and free and len(reads) < limit:
+                t = pending.popleft()
+                _, buf, fut = self._start_read(t, free.pop())
+                reads[t] = (buf, fut)
 
         def retire_write() -> None:
             buf, fut = writes.popleft()
@@ -671,13 +727,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # and written back after the last of them, not once per tile.
         held: dict[int, contextlib.ExitStack] = {}
         try:
-            for t in range(len(self.tiles)):
+            for k, t in enumerate(order):
                 issue(len(self.tiles) if s.pipeline_read else 1)
-                while not reads:
+                while t not in reads:  # every buffer is in a write: the oldest frees one
                     retire_write()
                     issue(1)
-                index, buf, fut = reads.popleft()
-                assert index == t
+                buf, fut = reads.pop(t)
                 if fut is not None:
                     swap.wait(fut)
                 for i in sorted({p.shard for p in self.tiles[t].pieces} - held.keys()):
@@ -685,7 +740,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     held[i].enter_context(self._resident([i]))
                 self._step_tile(self.tiles[t], buf)
                 writes.append((buf, swap.write(self.tiles[t].name, buf[: self.tiles[t].nbytes])))
-                following = {p.shard for p in self.tiles[t + 1].pieces} if t + 1 < len(self.tiles) else set()
+                following = {p.shard for p in self.tiles[order[k + 1]].pieces} if k + 1 < len(order) else set()
                 for i in [i for i in held if i not in following]:
                     held.pop(i).close()
                 if not s.pipeline_write:
@@ -696,7 +751,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         finally:
             for stack in held.values():
                 stack.close()
-            for _, _, fut in reads:
+            for _, fut in reads.values():
                 if fut is not None:
                     fut.cancel()
             for _, fut in writes:  # an error mid-step: let the writes already issued land before reporting it
@@ -704,8 +759,129 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     fut.result()
             for piece in self.pieces:
                 self._unbind(piece)
+            self._early_tiles.clear()
+            self._early_grads.clear()
 
-    def _step_tile(self, tile: _Tile, buf: torch.Tensor) -> None:
+    # -- the early NVMe step: tiles stepped from the backward graph ---------------------------------
+    @torch.no_grad()
+    def _hand_off_nvme(self, i: int, grad: torch.Tensor) -> None:
+        """Shard ``i``'s final gradient (``hand_off``): every tile whose shards all have theirs now is stepped here,
+        on the main thread, in the backward: its read was started ahead (in the order the first early backward
+        stepped the tiles), its write is left in flight, so the disk works while backward computes. The gate is
+        ``hand_off``'s; what the step at ``step()`` would do, bit for bit (each element is stepped once, by the same
+        fused kernel over the same tile cuts, with the same accumulated gradient)."""
+        tiles = self._tiles_of.get(i)
+        shard = self.shards[i]
+        if tiles is None or grad.shape != shard.shape:
+            return
+        if i in self._early_grads:
+            raise DSCompileError(
+                f"offload_optimizer: shard {i}'s gradient was handed to the host step twice before step(); call engine.step() after each batch's backward"
+            )
+        assert self.host_opt is not None and self.swap is not None
+        if not self._early_grads and not self._early_tiles:  # the first of this backward
+            self._sync_hyperparameters(self.host_opt)
+            self._retire_writes()
+            self._waiting = {t: {p.shard for p in tile.pieces} for t, tile in enumerate(self.tiles)}
+            self._order_now = []
+        if grad.dtype != shard.dtype:
+            grad = grad.to(shard.dtype)  # what autograd does to a gradient of another dtype than its leaf
+        if shard.grad is not None:  # earlier micro-steps' gradient: AccumulateGrad adds this one to it
+            grad = shard.grad + grad
+        self._early_grads[i] = grad.detach()
+        self.early_steps["submitted"] += 1
+        for t in tiles:
+            self._waiting[t].discard(i)
+        for t in tiles:
+            if not self._waiting[t] and t not in self._early_tiles:
+                self._early_step_tile(t)
+
+    def _buffers_alive(self) -> int:
+        return len(self._free) + len(self._writes) + len(self._prefetched) + self._in_use
+
+    def _take_buffer(self) -> torch.Tensor:
+        """A tile buffer for a read, keeping at most ``buffer_count`` alive: a free one, a new one, the oldest write's
+        once it landed, or (every buffer holding a read ahead of a tile not ready yet) the last read ahead's."""
+        assert self.swap is not None
+        if self._free:
+            return self._free.pop()
+        if self._buffers_alive() < self._read_depth():
+            return aligned_buffer(self._buffer_bytes(), self.settings.pin_memory)
+        if self._writes:
+            buf, fut = self._writes.popleft()
+            self.swap.wait(fut)
+            return buf
+        t = next(reversed(self._prefetched))
+        buf, fut = self._prefetched.pop(t)
+        if fut is not None:
+            with contextlib.suppress(Exception):
+                fut.result()  # read again when its tile is ready
+        return buf
+
+    def _read_ahead(self) -> None:
+        """Start reading the tiles expected next (the recorded order) into the buffers that are free now."""
+        assert self.swap is not None
+        while self._writes and self._writes[0][1].done():
+            buf, fut = self._writes.popleft()
+            self.swap.wait(fut)
+            self._free.append(buf)
+        if not self.settings.pipeline_read or self._ready_order is None:
+            return
+        for t in self._ready_order:
+            if not self._free and self._buffers_alive() >= self._read_depth():
+                return
+            if t in self._early_tiles or t in self._prefetched:
+                continue
+            _, buf, fut = self._start_read(t, self._take_buffer())
+            self._prefetched[t] = (buf, fut)
+
+    def _early_step_tile(self, t: int) -> None:
+        assert self.swap is not None
+        start = time.perf_counter()
+        tile = self.tiles[t]
+        entry = self._prefetched.pop(t, None)
+        if entry is None:
+            _, buf, fut = self._start_read(t, self._take_buffer())
+        else:
+            buf, fut = entry
+        self._in_use = 1
+        self._read_ahead()
+        if fut is not None:
+            self.swap.wait(fut)
+        shards = {p.shard for p in tile.pieces}
+        for i in sorted(shards - self._held.keys()):
+            self._held[i] = contextlib.ExitStack()
+            self._held[i].enter_context(self._resident([i]))
+        self._step_tile(tile, buf, self._early_grads)
+        self._writes.append((buf, self.swap.write(tile.name, buf[: tile.nbytes])))
+        self._in_use = 0
+        self._early_tiles.add(t)
+        self._order_now.append(t)
+        self.early_tiles += 1
+        for i in sorted(shards):
+            if all(u in self._early_tiles for u in self._tiles_of[i]):
+                self._held.pop(i).close()
+        self.early_step_seconds += time.perf_counter() - start
+
+    def _end_early_nvme(self) -> None:
+        """After a backward that stepped tiles: shards still resident are written back, the writes finish behind, and
+        the first such backward fixes the order the tiles are read ahead in."""
+        for stack in self._held.values():
+            stack.close()
+        self._held.clear()
+        self._pending_writes.extend(fut for _, fut in self._writes)
+        self._writes.clear()
+        self._free.clear()
+        self.early_steps["started_in_backward"] += len(self._order_now)
+        self.early_steps["finished_in_backward"] += len(self._order_now)
+        if self._ready_order is None:
+            self._ready_order = self._order_now + [t for t in range(len(self.tiles)) if t not in self._order_now]
+        self._order_now = []
+        self._early_grads.clear()
+
+    def _step_tile(self, tile: _Tile, buf: torch.Tensor, grads: dict[int, torch.Tensor] | None = None) -> None:
+        """Step ``tile``'s pieces from ``buf`` (its states, and masters where the files hold them) with each shard's
+        ``.grad``, or with ``grads[shard]`` (the early step: handed off before AccumulateGrad set ``.grad``)."""
         assert self.host_opt is not None
         for j, piece in enumerate(tile.pieces):
             shard = self.shards[piece.shard]
@@ -721,7 +897,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if piece.initialized:
                 for k, name, dtype in self._state_segments(piece):
                     state[name] = self._segment(buf, tile, k, j, dtype)
-            grad = shard.grad
+            grad = grads[piece.shard] if grads is not None else shard.grad
             piece.master.grad = None if grad is None else grad.detach().reshape(-1)[piece.start : piece.stop].to("cpu", torch.float32)
         for g in range(len(self._host_group_params)):
             self.host_opt.param_groups[g]["params"] = [p.master for p in tile.pieces if p.group == g]
@@ -876,6 +1052,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             out.update(
                 tiles=len(self.tiles),
                 prefetched_tiles=self.prefetched_tiles,
+                early_tiles=self.early_tiles,
                 masters_in_files=self.masters_in_files,
                 bytes_read=self.swap.bytes_read,
                 bytes_written=self.swap.bytes_written,
@@ -911,7 +1088,7 @@ def gradient_sink_of(tensor: Any) -> tuple[int, int, bool] | None:
     for key, opt in list(_SINKS.items()):
         i = opt._sink_index.get(id(tensor))
         if i is not None and opt.shards[i] is tensor:
-            return key, i, opt._piece_of[i].inplace
+            return key, i, opt.steps_in_place(i)
     return None
 
 
