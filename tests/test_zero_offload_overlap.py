@@ -71,6 +71,9 @@ def _train(engine: Any, case: Any, rank: int, early: bool = True, gas: int = GAS
         out["counters"] = ext.counters()
         out["host_shards"] = len(opt._tiles_of) if opt.swap is not None else len(opt.pieces)
         out["tiles"] = len(opt.tiles)
+    param_ext = engine.extension("zero_offload_param")
+    if param_ext is not None:
+        out["param_counters"] = param_ext.counters()
     return out
 
 
@@ -260,6 +263,8 @@ def _check_nvme_early(reference: dict[str, Any], run: dict[str, Any], what: str,
     # tiles the forward reads ahead are the ones backward steps first
     assert counters["early_tiles"] == steps * run["tiles"] and run["tiles"] > 4, (what, counters)
     assert counters["early_host_steps"]["submitted"] == steps * run["host_shards"], (what, counters)
+    if "param_counters" in run:  # ZeRO-Infinity: shards the step reads right after backward's gather of them are not read again
+        assert run["param_counters"]["param_step_reuses"] > 0, (what, run["param_counters"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -523,15 +523,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Tile buffers alive at once: ``buffer_count`` (at least 1)."""
         return max(1, self.settings.buffer_count)
 
-    def _start_read(self, t: int, buf: torch.Tensor | None = None) -> tuple[int, torch.Tensor, Future[None] | None]:
+    def _start_read(self, t: int, buf: torch.Tensor | None = None, after: Future[None] | None = None) -> tuple[int, torch.Tensor, Future[None] | None]:
         """Read what tile ``t``'s step needs into a buffer: its states once they exist, and its masters where the
-        files hold them (nothing at all before the first step when the shards are their own masters)."""
+        files hold them (nothing at all before the first step when the shards are their own masters). ``after``: a
+        write from the same buffer, which finishes first (then the returned future is never None)."""
         assert self.swap is not None
         tile = self.tiles[t]
         if buf is None:
             buf = aligned_buffer(self._buffer_bytes(), self.settings.pin_memory)
         wanted = tile.nbytes if any(p.initialized for p in tile.pieces) else tile.master_bytes
-        return t, buf, (self.swap.read(tile.name, buf[:wanted]) if wanted else None)
+        return t, buf, (self.swap.read(tile.name, buf[:wanted], after=after) if wanted else after)
 
     def _buffer_bytes(self) -> int:
         return max(ALIGN, max(t.nbytes for t in self.tiles))
@@ -835,6 +836,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             _, buf, fut = self._start_read(t, self._take_buffer())
             self._prefetched[t] = (buf, fut)
 
+    def _next_to_read(self, current: int) -> int | None:
+        """The first tile of the recorded order not stepped, not being stepped and not read ahead yet (None before the
+        order is known, or without ``pipeline_read``)."""
+        if self._ready_order is None or not self.settings.pipeline_read:
+            return None
+        return next((t for t in self._ready_order if t != current and t not in self._early_tiles and t not in self._prefetched), None)
+
     def _early_step_tile(self, t: int) -> None:
         assert self.swap is not None
         start = time.perf_counter()
@@ -853,7 +861,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._held[i] = contextlib.ExitStack()
             self._held[i].enter_context(self._resident([i]))
         self._step_tile(tile, buf, self._early_grads)
-        self._writes.append((buf, self.swap.write(tile.name, buf[: tile.nbytes])))
+        write = self.swap.write(tile.name, buf[: tile.nbytes])
+        following = self._next_to_read(t)
+        if following is None:
+            self._writes.append((buf, write))
+        else:  # the buffer goes on to the next tile's read as soon as its write has landed, with no wait here
+            _, _, read = self._start_read(following, buf, after=write)
+            self._prefetched[following] = (buf, read)
+            self._pending_writes.append(write)
         self._in_use = 0
         self._early_tiles.add(t)
         self._order_now.append(t)

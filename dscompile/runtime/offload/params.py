@@ -38,6 +38,11 @@ from dscompile.runtime.offload.swap import SwapDirectory, align_up, aligned_buff
 
 log = logging.getLogger("dscompile.offload")
 
+KEEP_DISTANCE = 16
+"""How close (in reads of the recorded order) a step read must follow a graph load of its shard for the load's buffer to be kept."""
+KEEP_LIMIT = 8
+"""Most buffers kept at once (the oldest is let go): bounds the memory when the step comes later than recorded."""
+
 
 @dataclass
 class ParamOffloadSettings:
@@ -72,6 +77,9 @@ class ParamStore:
         self.host: dict[int, torch.Tensor] = {}
         self.released: dict[int, torch.Tensor] = {}
         self.order: list[int] = []
+        self.step_positions: set[int] = set()  # positions in ``order`` that are the optimizer step's reads (``resident``)
+        self.keep_positions: set[int] = set()  # graph loads whose buffer the step reads again shortly after (kept, not re-read)
+        self.kept: dict[int, torch.Tensor] = {}  # shard -> the buffer a graph load read, until its step takes it (oldest first)
         self.recording = True
         self.cursor = 0
         self.inflight: dict[int, tuple[torch.Tensor, Future[None]]] = {}
@@ -81,6 +89,7 @@ class ParamStore:
         self.step_reads = 0
         self.step_prefetch_hits = 0
         self.reads_after_write = 0
+        self.step_reuses = 0
         self.write_waits = 0
         self.bytes_loaded = 0
         if settings.device == "nvme":
@@ -201,11 +210,24 @@ class ParamStore:
             self.swap.wait(fut)
             value = self._value(i, buf)
             out = value if like.device.type == "cpu" else value.to(like.device, non_blocking=value.is_pinned())
+            if not self.recording and (self.cursor - 1) % len(self.order) in self.keep_positions:
+                self._keep(i, buf)
         self._prefetch()
         return out
 
-    def _advance(self, i: int) -> None:
+    def _keep(self, i: int, buf: torch.Tensor) -> None:
+        """Hold the buffer a graph load just read for the step read of the same shard that follows it closely (the
+        early NVMe step in backward steps a shard right after its last gather): that read then costs no I/O. The
+        graphs never write a loaded value and nothing writes the shard's file before its step, so it is current."""
+        self.kept.pop(i, None)
+        self.kept[i] = buf
+        while len(self.kept) > KEEP_LIMIT:
+            self.kept.pop(next(iter(self.kept)))
+
+    def _advance(self, i: int, step: bool = False) -> None:
         if self.recording:
+            if step:
+                self.step_positions.add(len(self.order))
             self.order.append(i)
             return
         n = len(self.order)
@@ -224,7 +246,7 @@ class ParamStore:
             if len(self.inflight) >= self.settings.prefetch_distance:
                 break
             key = self.order[(self.cursor + step) % n]
-            if key not in self.inflight:
+            if key not in self.inflight and key not in self.kept:
                 self.inflight[key] = self._start_read(key)
 
     def _drop_prefetches(self) -> None:
@@ -238,12 +260,27 @@ class ParamStore:
         """After an optimizer step (values being written back): fix the read order, read the first shards ahead."""
         if self.recording and self.order:
             self.recording = False
+            self.keep_positions = self._positions_to_keep()
             log.info(
                 "offload_param: %d shard reads per step recorded (forward, backward, optimizer step); reading %d ahead, %d write(s) behind",
                 len(self.order), self.settings.prefetch_distance, self.settings.write_behind,
             )
         self.cursor = 0
+        self.kept.clear()
         self._prefetch()
+
+    def _positions_to_keep(self) -> set[int]:
+        """Graph loads whose shard the step reads again within ``KEEP_DISTANCE`` reads (and no graph load of it between)."""
+        keep = set()
+        for p, i in enumerate(self.order):
+            if p in self.step_positions:
+                continue
+            for q in range(p + 1, min(len(self.order), p + 1 + KEEP_DISTANCE)):
+                if self.order[q] == i:
+                    if q in self.step_positions:
+                        keep.add(p)
+                    break
+        return keep
 
     # -- residency around the step and checkpoints ----------------------------------------------------
     @contextlib.contextmanager
@@ -262,6 +299,7 @@ class ParamStore:
         if every:
             self._drop_prefetches()
             self.flush()
+            self.kept.clear()
         offloaded = set(self.indices)
         wanted = [i for i in (self.indices if every else indices) if i in offloaded and _is_released(self.shards[i])]
         buffers: dict[int, torch.Tensor] = {}
@@ -270,10 +308,21 @@ class ParamStore:
             if self.swap is not None:
                 for i in wanted:
                     if not every:
-                        self._advance(i)
+                        self._advance(i, step=True)
                         self.step_reads += 1
                     entry = None if every else self.inflight.pop(i, None)
-                    if entry is not None:
+                    kept = None if every else self.kept.pop(i, None)
+                    if kept is not None:  # read by the graph's load just before: copied, no I/O (a read ahead of it is dropped)
+                        # a copy, not the buffer itself: the step updates it in place, and the graph may still read
+                        # its load (the early step follows the shard's gradient, not every use of its gathered value)
+                        self.step_reuses += 1
+                        self.step_prefetch_hits += 1  # found ready, as a read ahead would be
+                        fresh = aligned_buffer(kept.numel(), self.settings.pin_memory)
+                        fresh.copy_(kept)
+                        done: Future[None] = Future()
+                        done.set_result(None)
+                        entry = (fresh, done)
+                    elif entry is not None:
                         self.step_prefetch_hits += 1
                     entries[i] = entry if entry is not None else self._start_read(i)
                 if not every:
@@ -310,6 +359,7 @@ class ParamStore:
             "param_step_reads": self.step_reads,
             "param_step_prefetch_hits": self.step_prefetch_hits,
             "param_reads_after_write": self.reads_after_write,
+            "param_step_reuses": self.step_reuses,
             "param_write_waits": self.write_waits,
             "param_bytes_loaded": self.bytes_loaded,
             "param_offloaded_shards": len(self.indices),
