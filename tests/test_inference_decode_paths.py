@@ -91,3 +91,23 @@ def test_prefill_computes_last_position_logits_only() -> None:
     ids, mask = left_padded_batch()
     engine.generate(ids, attention_mask=mask, max_new_tokens=3)
     assert shapes == [(2, 1, VOCAB)], shapes
+
+
+def test_later_decode_steps_skip_guard_evaluation() -> None:
+    """Every call's first decode step runs Dynamo's guards in full; the steps after it only the differentiating ones."""
+    from torch._dynamo import eval_frame
+
+    engine = dscompile.init_inference(tiny("llama"), dtype=torch.float32, max_out_tokens=64, lower="eager")
+    generator = engine._static_generator()
+    decode, skipped = generator.decode, []
+
+    def spy(**kwargs: object) -> torch.Tensor:
+        skipped.append(eval_frame._stance.skip_guard_eval_unsafe)
+        return decode(**kwargs)
+
+    generator.decode = spy
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        engine.generate(ids, max_new_tokens=4)
+    assert skipped == [False, True, True] * 2, skipped
+    assert engine.compile_counts["decode"] == 1
