@@ -38,7 +38,9 @@ its codes), the prefill's LM head runs on the last position only, and later deco
 evaluation. Against the issue's targets at batch 1: fp32 2.33x HF eager (target 2x) and 2.15x
 ``torch.compile`` + static cache (target: no slower); int8 1.95x fp32 (target 1.3x). At batch 8 fp32
 matches ``torch.compile`` (0.99x) but is 1.10x HF eager only: its 8-row matmuls stay ``mm``
-(``decode_gemv``'s ``max_rows`` is 2 for float weights); int8 1.42x fp32. Not run here: 128 new tokens
+(``decode_gemv``'s ``max_rows`` is 2 for float weights: with 8, the batch-8 decode step took 64.7 ms
+against 62.6, best of 4); int8 1.42x fp32. The fused variant (``replace_with_kernel_inject``) is slower
+than plain fp32 at batch 1 (51.4 against 57.2 tokens/s); not investigated here. Not run here: 128 new tokens
 (the issue's figure), GPT-2, DeepSpeed ``init_inference``, a GPU.
 """
 
