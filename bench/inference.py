@@ -7,12 +7,47 @@ A ~100M-parameter model built from a config (random weights, no download). For e
 contenders run in alternation, ``--repeats`` times each after one warm-up (which compiles), on the
 same prompts, greedy: new tokens per second (all sequences) and first-token latency, median with
 min..max, and each contender's ratio to HF eager. dscompile's variants: fp32, fp32 with the
-inference fusion passes (``replace_with_kernel_inject``), and int8 weights (``--quant``).
+inference fusion passes (``replace_with_kernel_inject``), and int8 weights (``--quant``, 64 groups:
+one scale per row here). Each row prints the tokens/s and first-token spreads, the ratio to HF eager per
+round (the contenders of a round ran back to back, so under the same load) and best against best.
+
+Measured (session 29, 2026-12-05, this machine: 2 vCPUs AMD EPYC (AVX-512), torch 2.13 CPU, 2 threads;
+shared with two other sessions' jobs, timings serialized by ``flock /tmp/bench.lock``; load average
+1.7-3.0 during the runs). Llama 100m (134.1M parameters), prompt 16, 32 new tokens, 3 repeats, greedy::
+
+    python bench/inference.py --size 100m --batch 1 --new 32 --repeats 3 --quant    (load 3.00 -> 2.05)
+    batch 1   contender                 tokens/s median (min..max)   first token ms          ratio to hf eager
+              hf eager                  23.82 (22.75..24.53)         65.85 (64.92..83.43)    1.00x
+              hf static+torch.compile   26.63 (26.39..26.64)         57.31 (57.16..66.76)    1.11x (1.09..1.17)
+              dscompile fp32            57.19 (55.44..57.48)         47.24 (46.76..53.09)    2.33x (2.33..2.53)
+              dscompile fp32 fused      51.40 (51.39..52.22)         51.15 (49.22..52.56)    2.16x (2.13..2.26)
+              dscompile int8           111.80 (109.65..119.69)       68.56 (62.84..72.82)    4.82x (4.56..5.02)
+
+    python bench/inference.py --size 100m --batch 8 --new 32 --repeats 3 --quant    (load 2.46 -> 2.00)
+    batch 8   hf eager                 111.94 (109.82..112.94)      231.53 (216.39..232.46)  1.00x
+              hf static+torch.compile  125.06 (117.62..127.77)      211.69 (208.23..213.82)  1.12x (1.07..1.13)
+              dscompile fp32           123.80 (115.78..128.70)      207.54 (199.31..211.65)  1.10x (1.05..1.15)
+              dscompile fp32 fused     120.47 (115.85..131.57)      211.64 (206.76..227.95)  1.07x (1.05..1.18)
+              dscompile int8           175.19 (171.33..176.51)      269.73 (261.83..277.63)  1.56x (1.55..1.58)
+
+Before this session's changes (commit ca4a34f, same machine and flags, ``--skip-hf-compile``, load about
+2.5), batch 1: HF eager 24.29 tokens/s, dscompile fp32 27.15 (1.12x), fused 27.07 (1.11x), int8 20.55
+(0.85x: slower than fp32); first token 62.49 / 60.65 / 61.24 / 88.03 ms. What changed (README, "Inference"):
+the decode step's one-row matmuls are weight-streaming Inductor reductions (``decode_gemv``; int8 reads
+its codes), the prefill's LM head runs on the last position only, and later decode steps skip full guard
+evaluation. Against the issue's targets at batch 1: fp32 2.33x HF eager (target 2x) and 2.15x
+``torch.compile`` + static cache (target: no slower); int8 1.95x fp32 (target 1.3x). At batch 8 fp32
+matches ``torch.compile`` (0.99x) but is 1.10x HF eager only: its 8-row matmuls stay ``mm``
+(``decode_gemv``'s ``max_rows`` is 2 for float weights: with 8, the batch-8 decode step took 64.7 ms
+against 62.6, best of 4); int8 1.42x fp32. The fused variant (``replace_with_kernel_inject``) is slower
+than plain fp32 at batch 1 (51.4 against 57.2 tokens/s); not investigated here. Not run here: 128 new tokens
+(the issue's figure), GPT-2, DeepSpeed ``init_inference``, a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -118,6 +153,7 @@ def main() -> None:
     torch.manual_seed(0)
     params = sum(p.numel() for p in build(args.arch, args.size).parameters())
     print(f"{args.arch} {args.size}: {params / 1e6:.1f}M parameters; prompt {args.prompt}, {args.new} new tokens, threads {torch.get_num_threads()}")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for batch in args.batch:
         ids = torch.randint(0, SIZES[args.size]["vocab"], (batch, args.prompt), generator=torch.Generator().manual_seed(1))
         contenders: dict[str, Runner] = {}
@@ -151,13 +187,18 @@ def main() -> None:
                     first, total = run(ids)
                     firsts[name].append(1000 * first)
                     rates[name].append(batch * args.new / total)
-        print(f"batch {batch}:  {'contender':<26} {'tokens/s median (min..max)':>30} {'first token ms':>28}  ratio to hf eager")
-        base_rate = statistics.median(rates["hf eager"])
+        print(f"load average after batch {batch}: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(
+            f"batch {batch}:  {'contender':<26} {'tokens/s median (min..max)':>30} {'first token ms':>28}  "
+            "ratio to hf eager, per round (median, min..max)  best/best"
+        )
         for name in contenders:
-            ratio = [r / base_rate for r in rates[name]]
+            # per round: the contenders ran back to back, so a round's ratio compares them under the same load
+            ratio = [r / base for r, base in zip(rates[name], rates["hf eager"])]
+            best = max(rates[name]) / max(rates["hf eager"])
             print(
                 f"          {name:<26} {spread(rates[name]):>30} {spread(firsts[name]):>28}  "
-                f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}..{max(ratio):.2f})"
+                f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}..{max(ratio):.2f}){'':>24}{best:.2f}x"
             )
 
 

@@ -16,6 +16,7 @@ each rank's split graph, and the layers are packed at the first split, each rank
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,13 +38,21 @@ def inference_pipeline(config: InferenceConfig) -> str:
     passes = ["cse", "noop_views", "dce"]
     if config.replace_with_kernel_inject:
         passes += [*FUSION_PASSES, "dce"]
+    passes.append("decode_gemv")  # a decode step's few-row matmuls stream their weights (Inductor on CPU; else a no-op)
     passes.append(f"lower({config.lower or 'auto'})")
     return ",".join(passes)
 
 
 def _prefill_step(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """The prefill step; only the last position's logits when the model can skip the others.
+
+    Generation reads the last position's logits only (prompts are left padded), so a forward that
+    takes Hugging Face's ``logits_to_keep`` runs the LM head on that one position instead of every
+    prompt token (a ``[prompt, hidden] x [hidden, vocab]`` matmul less in the first-token latency)."""
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
     def prefill(**kwargs: Any) -> torch.Tensor:
-        return model(**kwargs).logits
+        return model(**kwargs, **keep).logits
 
     return prefill
 
