@@ -472,8 +472,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._publish_states()
         return loss
 
-    def _resident(self, shards: list[int]) -> contextlib.AbstractContextManager[None]:
-        return self.residency(shards) if self.residency is not None else contextlib.nullcontext()
+    def _resident(self, shards: list[int], in_backward: bool = False) -> contextlib.AbstractContextManager[None]:
+        if self.residency is None:
+            return contextlib.nullcontext()
+        return self.residency(shards, in_backward=True) if in_backward else self.residency(shards)
 
     def _stale(self, piece: _Piece) -> bool:
         return self.shards[piece.shard]._version != self._versions[piece.shard]
@@ -859,7 +861,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         shards = {p.shard for p in tile.pieces}
         for i in sorted(shards - self._held.keys()):
             self._held[i] = contextlib.ExitStack()
-            self._held[i].enter_context(self._resident([i]))
+            self._held[i].enter_context(self._resident([i], in_backward=True))
         self._step_tile(tile, buf, self._early_grads)
         write = self.swap.write(tile.name, buf[: tile.nbytes])
         following = self._next_to_read(t)

@@ -19,7 +19,10 @@ The authoritative copy lives in a host tensor (``device: cpu``, pinned when aske
   at most ``write_behind`` of them, on their own threads): the next read of the same shard is queued
   behind its write, a read of it started earlier is dropped as stale, and nothing else waits for them.
   Checkpoints and ``full_parameters`` (``resident()`` of every shard) wait for every write.
-  With ``offload_optimizer`` the step does this tile by tile (``OffloadedOptimizer.residency``).
+  With ``offload_optimizer`` the step does this tile by tile (``OffloadedOptimizer.residency``). When
+  the NVMe optimizer steps its tiles in backward (``in_backward``), a shard's step read follows closely the
+  backward load that gathered it: the order recorded at the first step marks such loads, and their buffer
+  is kept (at most ``KEEP_LIMIT``) and copied for the step instead of reading the file again.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ log = logging.getLogger("dscompile.offload")
 
 KEEP_DISTANCE = 16
 """How close (in reads of the recorded order) a step read must follow a graph load of its shard for the load's buffer to be kept."""
-KEEP_LIMIT = 8
+KEEP_LIMIT = 4
 """Most buffers kept at once (the oldest is let go): bounds the memory when the step comes later than recorded."""
 
 
@@ -77,7 +80,7 @@ class ParamStore:
         self.host: dict[int, torch.Tensor] = {}
         self.released: dict[int, torch.Tensor] = {}
         self.order: list[int] = []
-        self.step_positions: set[int] = set()  # positions in ``order`` that are the optimizer step's reads (``resident``)
+        self.step_positions: set[int] = set()  # positions in ``order`` of step reads made during backward (the early NVMe step)
         self.keep_positions: set[int] = set()  # graph loads whose buffer the step reads again shortly after (kept, not re-read)
         self.kept: dict[int, torch.Tensor] = {}  # shard -> the buffer a graph load read, until its step takes it (oldest first)
         self.recording = True
@@ -224,9 +227,9 @@ class ParamStore:
         while len(self.kept) > KEEP_LIMIT:
             self.kept.pop(next(iter(self.kept)))
 
-    def _advance(self, i: int, step: bool = False) -> None:
+    def _advance(self, i: int, in_backward_step: bool = False) -> None:
         if self.recording:
-            if step:
+            if in_backward_step:
                 self.step_positions.add(len(self.order))
             self.order.append(i)
             return
@@ -270,7 +273,9 @@ class ParamStore:
         self._prefetch()
 
     def _positions_to_keep(self) -> set[int]:
-        """Graph loads whose shard the step reads again within ``KEEP_DISTANCE`` reads (and no graph load of it between)."""
+        """Graph loads whose shard a step read made in the backward (the early NVMe step) reads again within
+        ``KEEP_DISTANCE`` reads, with no graph load of it between. Step reads at ``step()`` keep nothing: a buffer held
+        from backward to the step would hold parameter memory offload is meant to free."""
         keep = set()
         for p, i in enumerate(self.order):
             if p in self.step_positions:
@@ -284,7 +289,7 @@ class ParamStore:
 
     # -- residency around the step and checkpoints ----------------------------------------------------
     @contextlib.contextmanager
-    def resident(self, indices: Iterable[int] | None = None) -> Iterator[None]:
+    def resident(self, indices: Iterable[int] | None = None, in_backward: bool = False) -> Iterator[None]:
         """Shards ``indices`` (default: all offloaded) hold their value inside; written back and released on exit.
 
         No copy where it can be avoided: for nvme the shard's data becomes the read buffer itself (the step
@@ -308,7 +313,7 @@ class ParamStore:
             if self.swap is not None:
                 for i in wanted:
                     if not every:
-                        self._advance(i, step=True)
+                        self._advance(i, in_backward_step=in_backward)
                         self.step_reads += 1
                     entry = None if every else self.inflight.pop(i, None)
                     kept = None if every else self.kept.pop(i, None)
