@@ -44,6 +44,8 @@ log = logging.getLogger("dscompile.offload")
 KEEP_DISTANCE = 16
 """How close (in reads of the recorded order) a step read must follow a graph load of its shard for the load's buffer to be kept."""
 KEEP_LIMIT = 4
+_UNREFERENCED = 2
+"""A pooled buffer's storage use count when only the pool holds it (the pool's own tensor, and the storage object asked)."""
 """Most buffers kept at once (the oldest is let go): bounds the memory when the step comes later than recorded."""
 
 
@@ -93,6 +95,8 @@ class ParamStore:
         self.step_prefetch_hits = 0
         self.reads_after_write = 0
         self.step_reuses = 0
+        self._pool: dict[int, list[torch.Tensor]] = {}  # read buffers by size, reused once nothing references them
+        self.pool_reuses = 0
         self.write_waits = 0
         self.bytes_loaded = 0
         if settings.device == "nvme":
@@ -136,10 +140,27 @@ class ParamStore:
         buf[: self._nbytes(i)].view(value.dtype).copy_(value.reshape(-1))
         self.swap.wait(self.swap.write(self.file_name(i), buf))
 
+    def _read_buffer(self, nbytes: int) -> torch.Tensor:
+        """A read buffer of ``nbytes``: one of this size from the pool that nothing references any more, else a new
+        one (kept in the pool while it holds fewer than ``prefetch_distance`` of this size). New memory costs a page
+        fault and a zeroed page per 4 KiB on every read; a reused buffer costs nothing, and the pool holds no more
+        buffers of a size than the reads in flight use at once."""
+        pool = self._pool.setdefault(nbytes, [])
+        for anchor in pool:
+            if torch._C._storage_Use_Count(anchor.untyped_storage()._cdata) <= _UNREFERENCED:
+                self.pool_reuses += 1
+                return anchor.view(-1)
+        anchor = aligned_buffer(nbytes, self.settings.pin_memory)
+        if len(pool) < max(1, self.settings.prefetch_distance):
+            pool.append(anchor)
+        # every user gets a tensor of its own over the storage: each holder (a read in flight, a write, the graph's
+        # views) then counts in the storage's use count, which is how the pool knows the buffer is free again
+        return anchor.view(-1)
+
     def _start_read(self, i: int) -> tuple[torch.Tensor, Future[None]]:
-        """Read shard ``i``'s file into a fresh buffer; queued behind the shard's own write when one is in flight."""
+        """Read shard ``i``'s file into a buffer (``_read_buffer``); queued behind the shard's own write when one is in flight."""
         assert self.swap is not None
-        buf = aligned_buffer(align_up(self._nbytes(i)), self.settings.pin_memory)
+        buf = self._read_buffer(align_up(self._nbytes(i)))
         pending = self.writes.get(i)
         after = pending[1] if pending is not None and not pending[1].done() else None
         if after is not None:
@@ -322,7 +343,7 @@ class ParamStore:
                         # its load (the early step follows the shard's gradient, not every use of its gathered value)
                         self.step_reuses += 1
                         self.step_prefetch_hits += 1  # found ready, as a read ahead would be
-                        fresh = aligned_buffer(kept.numel(), self.settings.pin_memory)
+                        fresh = self._read_buffer(kept.numel())
                         fresh.copy_(kept)
                         done: Future[None] = Future()
                         done.set_result(None)
@@ -365,6 +386,7 @@ class ParamStore:
             "param_step_prefetch_hits": self.step_prefetch_hits,
             "param_reads_after_write": self.reads_after_write,
             "param_step_reuses": self.step_reuses,
+            "param_pool_reuses": self.pool_reuses,
             "param_write_waits": self.write_waits,
             "param_bytes_loaded": self.bytes_loaded,
             "param_offloaded_shards": len(self.indices),
@@ -373,6 +395,8 @@ class ParamStore:
     def close(self) -> None:
         self._drop_prefetches()
         self.flush()
+        self._pool.clear()
+        self.kept.clear()
         zero_ops.PARAM_SOURCES.pop(self.id, None)
         if self.swap is not None:
             self.swap.close()
