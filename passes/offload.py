@@ -128,8 +128,9 @@ class OffloadParamConfig:
     (the planner's prefetch distance). ``buffer_size`` and ``max_in_cpu`` (elements) cap the read-ahead
     window: the planner lowers the distance until the largest shards in flight fit in ``buffer_count x
     buffer_size`` and in ``max_in_cpu`` (one shard is always read); the same window caps the shard writes left in
-    flight after the optimizer step (``ParamPlan.write_behind``). Read buffers are sized to each shard,
-    so there is no fixed pool of ``buffer_size`` buffers.
+    flight after the optimizer step (``ParamPlan.write_behind``). Read buffers are sized to each shard
+    (reused by size, at most the prefetch distance of a size: ``ParamStore._read_buffer``), so there is no fixed pool
+    of ``buffer_size`` buffers.
     """
 
     device: str | None = "none"
