@@ -200,7 +200,7 @@ def test_many_engines_in_one_process_all_compile(room, monkeypatch):
     monkeypatch.setattr(frontend.GraphCompiler, "compile", counted)
     dynamo = torch._dynamo.config
     saved = (dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
-    dynamo.recompile_limit, dynamo.accumulated_recompile_limit = engine_module._dynamo_limits
+    dynamo.recompile_limit, dynamo.accumulated_recompile_limit = engine_module._dynamo_limits or saved
     compiled = []
     try:
         for seed in range(12):
