@@ -821,20 +821,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 fut.result()  # read again when its tile is ready
         return buf
 
-    def _read_ahead(self) -> None:
-        """Start reading the tiles expected next (the recorded order) into the buffers that are free now."""
+    def _read_ahead(self, current: int) -> None:
+        """Start reading the tiles expected next (``_next_to_read``: never ``current``, the tile being stepped) into
+        the buffers that are free now."""
         assert self.swap is not None
         while self._writes and self._writes[0][1].done():
             buf, fut = self._writes.popleft()
             self.swap.wait(fut)
             self._free.append(buf)
-        if not self.settings.pipeline_read or self._ready_order is None:
-            return
-        for t in self._ready_order:
-            if not self._free and self._buffers_alive() >= self._read_depth():
+        while self._free or self._buffers_alive() < self._read_depth():
+            t = self._next_to_read(current)
+            if t is None:
                 return
-            if t in self._early_tiles or t in self._prefetched:
-                continue
             _, buf, fut = self._start_read(t, self._take_buffer())
             self._prefetched[t] = (buf, fut)
 
@@ -855,7 +853,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         else:
             buf, fut = entry
         self._in_use = 1
-        self._read_ahead()
+        self._read_ahead(t)
         if fut is not None:
             self.swap.wait(fut)
         shards = {p.shard for p in tile.pieces}
