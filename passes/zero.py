@@ -424,6 +424,15 @@ def _use_loaded_shard(graph: torch.fx.Graph, node: torch.fx.Node, shard: torch.f
         first.prepend(item)
 
 
+def pin_param_loads(graph: torch.fx.Graph) -> int:
+    """Pin every ``zero_param_load`` left in ``graph`` (world > 1: each feeds its all-gather) where it stands now.
+
+    Run once the gathers are scheduled (``zero_prefetch``). Returns the number pinned."""
+    reads = [n for n in graph.nodes if n.op == "call_function" and n.target is zero_ops.PARAM_LOAD]
+    _pin_reads(graph, reads)
+    return len(reads)
+
+
 def _pin_reads(graph: torch.fx.Graph, reads: list[torch.fx.Node]) -> None:
     """Once every read is in its final place: each one after the nearest tensor computed before it."""
     for shard in reads:

@@ -7,6 +7,13 @@ consumed, for the smallest ``j`` whose window ``j..i`` stays within the prefetch
 live-parameter limit (both in elements). Waits stay where the values are needed, so the
 communication of the next parameters overlaps the compute of the current ones. The issue order
 of collectives never changes, so every rank still issues them identically.
+
+With ``offload_param`` each gather's shard is first read from the host or NVMe (``zero_param_load``), and
+this pass moves that read with its gather. Last, it pins every read where the schedule put it
+(``zero_param_load_after``: after the tensor computed just before it): a read depends only on the
+shard, a graph input, so Inductor's reordering for peak memory would otherwise run the reads of
+whole groups of layers first (every read buffer alive at once, and the reads out of the order the
+store reads ahead in).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from dataclasses import dataclass
 import torch.fx
 
 from dscompile.graph import ds_meta
-from dscompile.passes.zero import is_zero_start
+from dscompile.passes.zero import is_zero_start, pin_param_loads
 from dscompile.passes.zero_schedule import ancestors_after, move_after, positions, sole_user
 from dscompile.pipeline import PassContext, register_pass
 
@@ -35,8 +42,16 @@ def zero_prefetch(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPrefe
     """Hoist ZeRO-3 all-gather starts ahead of use, within the prefetch and live-parameter budgets."""
     graph = gm.graph
     starts = [n for n in graph.nodes if is_zero_start(n, "all_gather")]
-    if len(starts) < 2:
-        return gm
+    if len(starts) >= 2:
+        _hoist(graph, starts, options, ctx)
+    pinned = pin_param_loads(graph)
+    if pinned:
+        ctx.analysis.setdefault("zero_prefetch", {}).setdefault(ctx.graph_name, {})["param_loads_pinned"] = pinned
+    return gm
+
+
+def _hoist(graph: torch.fx.Graph, starts: list[torch.fx.Node], options: ZeroPrefetchOptions, ctx: PassContext) -> None:
+    """Move each gather's start (with what feeds it) up to where its prefetch window begins."""
     waits = [sole_user(s) for s in starts]
     sizes = [ds_meta(s)["zero"]["elements"] for s in starts]
     limit = min(options.stage3_prefetch_bucket_size, options.stage3_max_live_parameters)
@@ -72,4 +87,3 @@ def zero_prefetch(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPrefe
         hoisted += 1
     log.debug("%s: %d of %d all-gathers prefetched", ctx.graph_name, hoisted, len(starts))
     ctx.analysis.setdefault("zero_prefetch", {})[ctx.graph_name] = {"gathers": len(starts), "prefetched": hoisted}
-    return gm

@@ -144,7 +144,8 @@ zero_param_load.register_autograd(_load_backward, setup_context=_load_setup)
 @torch.library.custom_op("dscompile::zero_param_load_after", mutates_args=())
 def zero_param_load_after(shard: torch.Tensor, store: int, index: int, after: torch.Tensor) -> torch.Tensor:
     """``zero_param_load`` that the lowering cannot run before ``after`` exists (``after`` is not read): the
-    ``zero`` pass pins a read used in place (world 1) right before its use with it. Without the pin, Inductor's
+    ``zero`` pass pins a read used in place (world 1) right before its use with it, and ``zero_prefetch`` every
+    read that feeds an all-gather where the gather schedule put it. Without the pin, Inductor's
     reordering for peak memory runs every read first (it takes the released ``shard`` each read consumes for
     memory freed), and every read buffer stays alive until its use."""
     return PARAM_SOURCES[store].load(index, shard)  # type: ignore[attr-defined]

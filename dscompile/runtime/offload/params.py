@@ -44,9 +44,9 @@ log = logging.getLogger("dscompile.offload")
 KEEP_DISTANCE = 16
 """How close (in reads of the recorded order) a step read must follow a graph load of its shard for the load's buffer to be kept."""
 KEEP_LIMIT = 4
+"""Most buffers kept at once (the oldest is let go): bounds the memory when the step comes later than recorded."""
 _UNREFERENCED = 2
 """A pooled buffer's storage use count when only the pool holds it (the pool's own tensor, and the storage object asked)."""
-"""Most buffers kept at once (the oldest is let go): bounds the memory when the step comes later than recorded."""
 
 
 @dataclass
