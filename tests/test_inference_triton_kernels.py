@@ -110,6 +110,28 @@ def test_cache_attention_triton_propagates_nan_in_attended_slots() -> None:
     assert torch.isnan(cache_attention_triton(q, k, v, mask)).all()
 
 
+@needs_interpreter
+def test_cache_attention_triton_reads_no_value_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton path takes its bounds from the mask on the device: no ``item``/``bool``/``int`` of a tensor (each a
+    device sync on CUDA, which CUDA-graph capture forbids). The torch path does read one (the valid prefix)."""
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 20, 8)
+    mask = torch.zeros(1, 1, 1, 20, dtype=torch.bool)
+    mask[..., :7] = True
+    expected = cache_attention_torch(q, k, k, mask)
+
+    def host_read(*args: object) -> None:
+        raise AssertionError("a tensor value read on the host")
+
+    with monkeypatch.context() as patch:
+        for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+            patch.setattr(torch.Tensor, name, host_read)
+        got = [cache_attention_triton(q, k, k, mask, splits=splits) for splits in (1, 2)]
+        with pytest.raises(AssertionError, match="host"):
+            cache_attention_torch(q, k, k, mask)
+    for out in got:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- rotary
 
 
