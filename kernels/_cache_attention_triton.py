@@ -21,11 +21,14 @@ import triton.language as tl
 
 @triton.jit
 def _dot(a, b, DOT_FP32: tl.constexpr):
-    # fp32 inputs: IEEE products (no TF32). The interpreter multiplies bf16 tiles wrongly: DOT_FP32 upcasts first.
+    # fp32 inputs: IEEE products (no TF32); fp16/bf16: tensor cores, fp32 accumulation.
+    # The interpreter multiplies bf16 tiles wrongly: DOT_FP32 upcasts first (CPU tests only).
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
+    elif a.dtype == tl.float32:
         return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit

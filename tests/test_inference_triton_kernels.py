@@ -264,3 +264,44 @@ def test_engine_with_triton_kernels_matches_hf(monkeypatch: pytest.MonkeyPatch) 
     # 2 layers, `new` forward calls (prefill + new - 1 decode steps): 2 rotary calls (Q, K) and 1 attention per layer
     assert launches == {"rotary": 4 * new, "attention": 2 * new}, launches
     assert CACHE_ATTENTION is torch.ops.dscompile.cache_attention.default
+
+
+# ----------------------------------------------------------------------------- on a GPU (bench/gpu_check.py runs these)
+
+
+@pytest.mark.gpu
+def test_decode_step_with_both_ops_captures_in_a_cuda_graph() -> None:
+    """Cache write at a device-side position, rotary and cache attention (``auto``: the Triton kernels, default
+    splits) captured once with ``torch.cuda.graph`` and replayed at later positions: the eager results, bf16."""
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, slots, dim = 2, 8, 2, 300, 64
+    q = torch.randn(batch, heads, 1, dim, generator=gen).cuda().bfloat16()
+    k_cache, v_cache = (torch.randn(batch, kv_heads, slots, dim, generator=gen).cuda().bfloat16() for _ in range(2))
+    mask = torch.zeros(batch, 1, 1, slots, dtype=torch.bool, device="cuda")
+    mask[..., :70] = True
+    new_k, new_v = (torch.randn(batch, kv_heads, 1, dim, generator=gen).cuda().bfloat16() for _ in range(2))
+    angles = torch.randn(batch, 1, 1, dim // 2, generator=gen).repeat(1, 1, 1, 2).cuda()
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    pos = torch.tensor([70], device="cuda")
+
+    def step() -> torch.Tensor:
+        k_cache.index_copy_(2, pos, ROTARY_EMBEDDING(new_k, cos, sin, None))
+        v_cache.index_copy_(2, pos, new_v)
+        mask.index_fill_(3, pos, True)
+        return CACHE_ATTENTION(ROTARY_EMBEDDING(q, cos, sin, None), k_cache, v_cache, mask, None)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for p in range(71, 75):
+        pos.fill_(p)
+        graph.replay()
+        got = out.clone()
+        expected = cache_attention_torch(rotary_embedding(q, cos, sin), k_cache, v_cache, mask)
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        assert bool(mask[0, 0, 0, p]) and not bool(mask[0, 0, 0, p + 1])
