@@ -231,9 +231,11 @@ def test_auto_runs_torch_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_interpreter
-def test_engine_with_triton_kernels_matches_hf(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton kernels forced in place of the torch paths (as on CUDA) inside a kernel-injected engine
-    under Inductor: both custom ops in the prefill and decode graphs, HF's greedy tokens, logits within 1e-5."""
+@pytest.mark.parametrize("arch,lower", [("llama", None), ("gpt_neox", "triton")])
+def test_engine_with_triton_kernels_matches_hf(monkeypatch: pytest.MonkeyPatch, arch: str, lower: str | None) -> None:
+    """The Triton kernels forced in place of the torch paths (as on CUDA) inside a kernel-injected engine: both
+    custom ops in the prefill and decode graphs, HF's greedy tokens, logits within 1e-5, one decode compile. Llama
+    (GQA) under Inductor (the CPU default), GPT-NeoX (partial rotary) under dscompile's Triton lowering (the GPU default)."""
     pytest.importorskip("transformers")
     from test_inference import left_padded_batch, tiny
 
@@ -251,12 +253,12 @@ def test_engine_with_triton_kernels_matches_hf(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(cache_attention_module, "resolve_impl", lambda impl, device: "triton")
     monkeypatch.setattr(rotary_module, "rotary_embedding_triton", counted("rotary", rotary_embedding_triton))
     monkeypatch.setattr(cache_attention_module, "cache_attention_triton", counted("attention", cache_attention_triton))
-    model = tiny("llama")
+    model = tiny(arch)
     ids, mask = left_padded_batch()
     new = 4
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=40, replace_with_kernel_inject=True)
+    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=40, lower=lower, replace_with_kernel_inject=True)
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=new, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(ref.logits, 1), rtol=0, atol=1e-5)
