@@ -28,6 +28,7 @@ Two implementations of the same attention, chosen by ``impl`` (``kernels.triton_
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -71,12 +72,17 @@ def cache_attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: 
     return out.reshape(batch, heads, queries, v.shape[-1])
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _splits(programs: int, key_blocks: int, device: torch.device) -> int:
     """Key splits per (batch, KV head, row block): enough programs to fill the GPU twice over, each split
     at least 4 key blocks. One on CPU (the interpreter gains nothing from more)."""
     if device.type != "cuda":
         return 1
-    units = torch.cuda.get_device_properties(device).multi_processor_count
+    units = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     wanted = -(-2 * units // programs)
     return max(1, min(wanted, key_blocks // 4, 64))
 
@@ -99,6 +105,8 @@ def cache_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale:
     rep = heads // kv_heads
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(batch, heads, queries, slots)
     out = torch.empty((batch, heads, queries, dim_v), dtype=q.dtype, device=q.device)
+    if out.numel() == 0 or slots == 0:
+        return out.zero_()
     rows = rep * queries
     cpu = not q.is_cuda
     block_m = 16 if cpu else min(64, max(16, 1 << (rows - 1).bit_length()))

@@ -20,10 +20,14 @@ kernel) in graphs whose tensors are on CUDA, this function elsewhere.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
 from dscompile.kernels.triton_dispatch import resolve_impl, triton_available
+
+log = logging.getLogger("dscompile.kernels.rotary")
 
 
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int | None = None) -> Tensor:
@@ -100,6 +104,10 @@ def rotary_embedding_triton(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int
 
 def rotary(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int | None = None, impl: str = "auto") -> Tensor:
     """``rotary_embedding`` by ``impl``: ``auto`` (Triton on CUDA when triton imports, torch elsewhere), ``triton`` or ``torch``."""
-    if resolve_impl(impl, x.device) == "triton":
+    chosen = resolve_impl(impl, x.device)
+    if chosen == "triton" and impl == "auto" and x.dim() > 5:
+        log.debug("rotary: %d-dim input (the kernel indexes up to 4 leading dims): torch path", x.dim())
+        chosen = "torch"
+    if chosen == "triton":
         return rotary_embedding_triton(x, cos, sin, rotary_dim)
     return rotary_embedding(x, cos, sin, rotary_dim)
