@@ -78,7 +78,7 @@ def cache_attention_kernel(
     pid_bg = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bg // KV_HEADS
+    b = (pid_bg // KV_HEADS).to(tl.int64)  # offsets past 2**31 elements in big caches
     g = pid_bg % KV_HEADS
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < ROWS
@@ -156,7 +156,7 @@ def combine_kernel(
     """One row: the splits' partial sums rescaled to their common maximum, added, normalised."""
     pid_bg = tl.program_id(0)
     row = tl.program_id(1)
-    b = pid_bg // KV_HEADS
+    b = (pid_bg // KV_HEADS).to(tl.int64)  # offsets past 2**31 elements in big caches
     g = pid_bg % KV_HEADS
     head = g * REP + row // QUERIES
     query = row % QUERIES

@@ -80,7 +80,7 @@ def rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_REST: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # int64 offsets: big prefills
     row_ok = rows < ROWS
     x_row = X + _offset(rows, N1, N2, N3, sx0, sx1, sx2, sx3)[:, None]
     c_row = Cos + _offset(rows, N1, N2, N3, sc0, sc1, sc2, sc3)[:, None]
