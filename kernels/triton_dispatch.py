@@ -35,8 +35,9 @@ def triton_available(x: torch.Tensor) -> bool:
 
 def resolve_impl(impl: str, device: torch.device) -> str:
     """The implementation ``impl`` names on ``device``: ``auto`` is ``triton`` on CUDA when triton imports, else ``torch``."""
+    if impl == "auto":  # on every op call: kept to an attribute read and a cached lookup
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        return "triton" if kind == "cuda" and triton_importable() else "torch"
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r} is not one of {', '.join(IMPLS)}")
-    if impl == "auto":
-        return "triton" if torch.device(device).type == "cuda" and triton_importable() else "torch"
     return impl
