@@ -34,6 +34,7 @@ needs_interpreter = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="triton was imported before TRITON_INTERPRET=1 could be set; run this module on its own",
 )
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -97,7 +98,8 @@ def test_cache_attention_triton_mask_per_head_and_empty_rows() -> None:
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
     assert torch.equal(expected[0, 2, 1], torch.zeros(dim))
     for splits in (1, 4):
-        torch.testing.assert_close(cache_attention_triton(q, k, v, mask, splits=splits), expected, rtol=1e-5, atol=1e-5)
+        got = cache_attention_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), mask.to(DEVICE), splits=splits).cpu()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter
@@ -107,15 +109,15 @@ def test_cache_attention_triton_propagates_nan_in_attended_slots() -> None:
     mask = torch.zeros(1, 1, 1, 20, dtype=torch.bool)
     mask[..., :9] = True
     k[0, 0, 4] = float("nan")
-    assert torch.isnan(cache_attention_triton(q, k, v, mask)).all()
+    assert torch.isnan(cache_attention_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), mask.to(DEVICE))).all()
 
 
 @needs_interpreter
 def test_cache_attention_triton_reads_no_value_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton path takes its bounds from the mask on the device: no ``item``/``bool``/``int`` of a tensor (each a
     device sync on CUDA, which CUDA-graph capture forbids). The torch path does read one (the valid prefix)."""
-    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 20, 8)
-    mask = torch.zeros(1, 1, 1, 20, dtype=torch.bool)
+    q, k = torch.randn(1, 2, 1, 8, device=DEVICE), torch.randn(1, 1, 20, 8, device=DEVICE)
+    mask = torch.zeros(1, 1, 1, 20, dtype=torch.bool, device=DEVICE)
     mask[..., :7] = True
     expected = cache_attention_torch(q, k, k, mask)
 
@@ -149,7 +151,7 @@ def test_rotary_triton_matches_torch(dtype: torch.dtype, rotary_dim: int | None)
     x = torch.randn(2, 3, 5, 18, generator=g).to(dtype)
     d = rotary_dim or 18
     cos, sin = _tables((2, 1, 5), d, dtype, g)
-    expected = rotary_embedding(x, cos, sin, rotary_dim)
+    expected = rotary_embedding(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), rotary_dim).cpu()
     got = rotary_embedding_triton(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), rotary_dim).cpu()
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if dtype == torch.bfloat16 and not torch.cuda.is_available():
@@ -177,11 +179,11 @@ def _rotary_truncating_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def test_rotary_triton_strided_inputs() -> None:
     """A transposed (non-contiguous) ``x`` of 3 dims, 1-D tables, and one of 5 dims with a table broadcast over two."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 7, 12, generator=g).transpose(0, 1)
-    cos, sin = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    x = torch.randn(5, 7, 12, generator=g).to(DEVICE).transpose(0, 1)
+    cos, sin = torch.randn(12, generator=g).to(DEVICE), torch.randn(12, generator=g).to(DEVICE)
     assert torch.equal(rotary_embedding_triton(x, cos, sin), rotary_embedding(x, cos, sin))
-    x5 = torch.randn(2, 3, 2, 3, 8, generator=g)
-    cos5, sin5 = torch.randn(2, 1, 2, 1, 8, generator=g), torch.randn(2, 1, 2, 1, 8, generator=g)
+    x5 = torch.randn(2, 3, 2, 3, 8, generator=g).to(DEVICE)
+    cos5, sin5 = torch.randn(2, 1, 2, 1, 8, generator=g).to(DEVICE), torch.randn(2, 1, 2, 1, 8, generator=g).to(DEVICE)
     assert torch.equal(rotary_embedding_triton(x5, cos5, sin5), rotary_embedding(x5, cos5, sin5))
 
 
@@ -230,7 +232,7 @@ def test_auto_runs_torch_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------- in an engine
 
 
-@needs_interpreter
+@interpreter_only
 @pytest.mark.parametrize("arch,lower", [("llama", None), ("gpt_neox", "triton")])
 def test_engine_with_triton_kernels_matches_hf(monkeypatch: pytest.MonkeyPatch, arch: str, lower: str | None) -> None:
     """The Triton kernels forced in place of the torch paths (as on CUDA) inside a kernel-injected engine: both
