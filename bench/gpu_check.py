@@ -13,7 +13,12 @@ Rows:
   kernel: Triton on a GPU) against dense SDPA and FlexAttention with the same block mask, at
   4k, 8k and 16k tokens, ms and peak memory;
 - ``zero3 bf16``: one ZeRO-3 + bf16 training step of the GPT on one rank over NCCL (gloo in the
-  dry run), ms and peak memory.
+  dry run), ms and peak memory;
+- ``inference kernels``: the Triton cache attention (decode: 1 query, GQA, a cache of ``slots``
+  slots filled to two lengths; and a prefill) against the op's torch path and plain SDPA over the
+  repeated cache, and the Triton rotary against the torch path (bit-equal or not), ms and the
+  largest difference; then a decode step (cache write, rotary, cache attention) captured in a CUDA
+  graph with ``torch.cuda.graph`` and replayed at several positions against eager (CUDA only).
 
 Each section runs only while the time budget (``--budget``, default 450 s) lasts; a skipped
 section says so in the table. Times are the median of ``--repeats`` calls after warm-up (compile)
@@ -54,12 +59,15 @@ class Sizes:
     head_dim: int
     block: int
     repeats: int
+    decode: dict[str, int] = field(default_factory=dict)
 
 
 GPU_SIZES = Sizes(gpt={"seq_len": 512, "d_model": 512, "n_heads": 8, "n_layers": 4, "vocab_size": 8192}, batch=8,
-                  seqs=[4096, 8192, 16384], heads=8, head_dim=64, block=64, repeats=10)
+                  seqs=[4096, 8192, 16384], heads=8, head_dim=64, block=64, repeats=10,
+                  decode={"batch": 4, "heads": 32, "kv_heads": 8, "dim": 128, "slots": 4096, "prefill": 1024})
 DRY_SIZES = Sizes(gpt={"seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 1, "vocab_size": 64}, batch=2,
-                  seqs=[128, 256], heads=2, head_dim=16, block=32, repeats=2)
+                  seqs=[128, 256], heads=2, head_dim=16, block=32, repeats=2,
+                  decode={"batch": 2, "heads": 4, "kv_heads": 2, "dim": 16, "slots": 40, "prefill": 8})
 
 
 @dataclass
@@ -259,11 +267,124 @@ def run_zero3_bf16(table: Table, sizes: Sizes, device: torch.device) -> None:
         dist.destroy_process_group()
 
 
+def _decode_inputs(sizes: Sizes, device: torch.device, dtype: torch.dtype, queries: int, filled: int) -> tuple[torch.Tensor, ...]:
+    """q, a cache of ``slots`` slots whose first ``filled`` are valid (NaN after: unread by the bounded kernels), a causal mask."""
+    d = sizes.decode
+    gen = torch.Generator().manual_seed(filled)
+    q = torch.randn(d["batch"], d["heads"], queries, d["dim"], generator=gen).to(device, dtype)
+    k, v = (torch.randn(d["batch"], d["kv_heads"], d["slots"], d["dim"], generator=gen).to(device, dtype) for _ in range(2))
+    cols = torch.arange(d["slots"], device=device)
+    rows = filled - queries + torch.arange(queries, device=device)
+    mask = (cols[None, :] <= rows[:, None]).expand(d["batch"], 1, queries, d["slots"]).contiguous()
+    return q, k, v, mask
+
+
+def run_inference_kernels(table: Table, sizes: Sizes, device: torch.device) -> None:
+    import torch.nn.functional as F
+
+    from dscompile.kernels.cache_attention import cache_attention_torch, cache_attention_triton
+    from dscompile.kernels.rotary import rotary_embedding, rotary_embedding_triton
+
+    d = sizes.decode
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rep = d["heads"] // d["kv_heads"]
+    cases = [("decode", 1, d["slots"] // 4), ("decode", 1, d["slots"] - 3), ("prefill", d["prefill"], d["prefill"])]
+    for kind, queries, filled in cases:
+        q, k, v, mask = _decode_inputs(sizes, device, dtype, queries, filled)
+        valid = (slice(None), slice(None), slice(0, filled))
+        sdpa_k, sdpa_v = k[valid].repeat_interleave(rep, 1), v[valid].repeat_interleave(rep, 1)
+        expected = F.scaled_dot_product_attention(q.float(), sdpa_k.float(), sdpa_v.float(), attn_mask=mask[..., :filled])
+        k[:, :, filled:], v[:, :, filled:] = float("nan"), float("nan")
+        full_k, full_v = torch.nan_to_num(k).repeat_interleave(rep, 1), torch.nan_to_num(v).repeat_interleave(rep, 1)
+        impls = {
+            "triton": lambda q=q, k=k, v=v, mask=mask: cache_attention_triton(q, k, v, mask),
+            "torch path": lambda q=q, k=k, v=v, mask=mask: cache_attention_torch(q, k, v, mask),
+            "SDPA, whole repeated cache": lambda q=q, fk=full_k, fv=full_v, mask=mask: F.scaled_dot_product_attention(q, fk, fv, attn_mask=mask),
+        }
+        times = {}
+        for name, fn in impls.items():
+            err = (fn().float() - expected).abs().max().item()
+            times[name], _ = timed(fn, device, sizes.repeats)
+            ok = err <= (2e-2 if dtype != torch.float32 else 1e-4)
+            table.add("inference kernels", f"attn {kind} q={queries} len={filled}/{d['slots']} {name}", f"{times[name]:.3f} ms",
+                      f"max |diff| vs fp32 SDPA {err:.1e}" + ("" if ok else "; FAILED"))
+        ratio = times["torch path"] / times["triton"]
+        table.add("inference kernels", f"attn {kind} len={filled} torch path / triton", f"{ratio:.2f}x", "higher: triton faster")
+
+    gen = torch.Generator().manual_seed(0)
+    for dt in dict.fromkeys((torch.float32, dtype)):
+        for name, lead, rotary_dim in (("decode", (d["batch"], d["heads"], 1), None), ("prefill", (1, d["heads"], d["prefill"]), d["dim"] // 2)):
+            x = torch.randn(*lead, d["dim"], generator=gen).to(device, dt)
+            rd = rotary_dim or d["dim"]
+            angles = torch.randn(lead[0], 1, lead[2], rd // 2, generator=gen).repeat(1, 1, 1, 2)
+            cos, sin = angles.cos().to(device, dt), angles.sin().to(device, dt)
+            equal = torch.equal(rotary_embedding_triton(x, cos, sin, rotary_dim), rotary_embedding(x, cos, sin, rotary_dim))
+            t_triton, _ = timed(lambda x=x, cos=cos, sin=sin, rd=rotary_dim: rotary_embedding_triton(x, cos, sin, rd), device, sizes.repeats)
+            t_torch, _ = timed(lambda x=x, cos=cos, sin=sin, rd=rotary_dim: rotary_embedding(x, cos, sin, rd), device, sizes.repeats)
+            table.add("inference kernels", f"rotary {name} {tuple(x.shape)} {str(dt)[6:]} rd={rd}", f"{t_triton:.3f} ms",
+                      f"torch {t_torch:.3f} ms; bit-equal: {equal}" + ("" if equal else "; FAILED"))
+    if device.type != "cuda":
+        table.add("inference kernels", "decode step in a CUDA graph", "skipped", "no CUDA")
+        return
+    _cuda_graph_decode(table, sizes, device, dtype)
+
+
+def _cuda_graph_decode(table: Table, sizes: Sizes, device: torch.device, dtype: torch.dtype) -> None:
+    """A decode step (write k/v at a device-side position, rotary, the cache-attention op) captured once, replayed per token."""
+    from dscompile.runtime.inference.ops import CACHE_ATTENTION, ROTARY_EMBEDDING
+
+    d = sizes.decode
+    start = d["slots"] // 4
+    q, k_cache, v_cache, mask = _decode_inputs(sizes, device, dtype, 1, start)
+    gen = torch.Generator().manual_seed(1)
+    new_k = torch.randn(d["batch"], d["kv_heads"], 1, d["dim"], generator=gen).to(device, dtype)
+    new_v = torch.randn_like(new_k)
+    angles = torch.randn(d["batch"], 1, 1, d["dim"] // 2, generator=gen).repeat(1, 1, 1, 2).to(device)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    pos = torch.tensor([start], device=device)
+
+    def step() -> torch.Tensor:
+        k_rot = ROTARY_EMBEDDING(new_k, cos, sin, None)
+        k_cache.index_copy_(2, pos, k_rot)
+        v_cache.index_copy_(2, pos, new_v)
+        mask.index_fill_(3, pos, True)
+        return CACHE_ATTENTION(ROTARY_EMBEDDING(q, cos, sin, None), k_cache, v_cache, mask, None)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile the kernels before capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = step()
+    except Exception as exc:  # the contract: no host sync inside the op
+        table.add("inference kernels", "decode step in a CUDA graph", "capture FAILED", f"{type(exc).__name__}: {str(exc)[:120]}")
+        return
+    worst = 0.0
+    steps = 8
+    for i in range(steps):
+        pos.fill_(start + 1 + i)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        eager = step()  # the same position again, eagerly
+        worst = max(worst, (got.float() - eager.float()).abs().max().item())
+    ok = worst <= 1e-3
+    replay_ms, _ = timed(graph.replay, device, sizes.repeats)
+    eager_ms, _ = timed(step, device, sizes.repeats)
+    table.add("inference kernels", "decode step in a CUDA graph", f"{replay_ms:.3f} ms replay",
+              f"eager {eager_ms:.3f} ms; {steps} replays vs eager max |diff| {worst:.1e}" + ("" if ok else "; FAILED"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on a CPU: checks that the script runs end to end")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for everything (the check must fit 8 minutes)")
     parser.add_argument("--skip-tests", action="store_true", help="leave out pytest -m gpu")
+    parser.add_argument("--only", default="", help="comma-separated sections to run (tests, lowering, sparse attention, inference kernels, zero3 bf16)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_dry_run:
@@ -286,8 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     sections += [
         ("lowering", lambda: run_lowering(table, sizes, device)),
         ("sparse attention", lambda: run_sparse_attention(table, sizes, device, deadline)),
+        ("inference kernels", lambda: run_inference_kernels(table, sizes, device)),
         ("zero3 bf16", lambda: run_zero3_bf16(table, sizes, device)),
     ]
+    if args.only:
+        sections = [(name, run) for name, run in sections if name in args.only.split(",")]
     failed = False
     for section, run in sections:
         if time.perf_counter() > deadline:

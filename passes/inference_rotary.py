@@ -12,8 +12,9 @@ concatenated back with ``X[..., d:]``) becomes one application on ``X`` with ``r
 Each match becomes one ``call_function`` of ``dscompile.kernels.rotary.rotary_embedding`` (the
 same numbers, written per half with no rotated copy), so the dump shows one node per application
 and AOTAutograd inlines its few pointwise ops for the lowering to compile as one kernel (Inductor
-on CPU). Graphs with no rotary embedding (GPT-2, OPT) are left unchanged. The replaced nodes are left
-to the pipeline's ``dce`` (which keeps in-place writes such as the KV cache's).
+on CPU). In graphs on CUDA it becomes the ``dscompile::rotary_embedding`` op instead
+(``dscompile.runtime.inference.ops``): the hand-written Triton kernel, the same bits. Graphs with
+no rotary embedding (GPT-2, OPT) are left unchanged. The replaced nodes are left to the pipeline's ``dce`` (which keeps in-place writes such as the KV cache's).
 Nodes created carry ``meta["dscompile"]["inference_fusion"] = {"rotary": [replaced node names]}``;
 the count goes to ``ctx.analysis["inference_rotary"][graph]``.
 """
@@ -30,7 +31,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.kernels.rotary import rotary_embedding
+from dscompile.kernels.triton_dispatch import resolve_impl
 from dscompile.pipeline import PassContext, register_pass
+from dscompile.runtime.inference.ops import ROTARY_EMBEDDING
 
 log = logging.getLogger("dscompile.passes.inference_rotary")
 
@@ -177,6 +180,13 @@ def _partial(add: torch.fx.Node, x: torch.fx.Node) -> tuple[torch.fx.Node, torch
     return whole, cat, d
 
 
+def fused_rotary(x: torch.fx.Node) -> Any:
+    """What a match becomes: the Triton op on CUDA (when triton imports), the plain function elsewhere (Inductor fuses it)."""
+    value = node_value(x)
+    device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+    return ROTARY_EMBEDDING if resolve_impl("auto", device) == "triton" else rotary_embedding
+
+
 def _replace(gm: torch.fx.GraphModule, add: torch.fx.Node, x: torch.fx.Node, cos: Any, sin: Any, replaced: list[torch.fx.Node]) -> None:
     target, args = add, (x, cos, sin)
     partial = _partial(add, x)
@@ -184,7 +194,7 @@ def _replace(gm: torch.fx.GraphModule, add: torch.fx.Node, x: torch.fx.Node, cos
         whole, target, d = partial
         args = (whole, cos, sin, d)
     with gm.graph.inserting_before(target):
-        fused = gm.graph.call_function(rotary_embedding, args)
+        fused = gm.graph.call_function(fused_rotary(x), args)
     set_fake_value(fused)
     for field in ("nn_module_stack", "stack_trace"):
         if field in add.meta:
