@@ -10,8 +10,8 @@ and AdamW for every peer; each peer runs in its own spawn of ranks (so memory is
   parameter shards in swap files, read ahead of their all-gather), alone / with ``offload_optimizer`` nvme too.
 - ``fsdp2`` / ``fsdp2-cpuoffload``: ``fully_shard`` per block and the root, the second with
   ``CPUOffloadPolicy`` (FSDP2's ZeRO-Offload peer).
-- ``deepspeed-cpu`` / ``deepspeed-nvme``: DeepSpeed's own offload, only where ``deepspeed`` imports
-  (not installed here: its rows then say so).
+- ``deepspeed-cpu`` / ``deepspeed-nvme`` / ``deepspeed-infinity``: DeepSpeed's own offload (the last with
+  ``offload_param`` nvme too, ``--stage 3``), only where ``deepspeed`` imports (else its rows say so).
 
 On a CPU-only machine the host is the device, so ``cpu`` offload moves nothing (the shard is its own
 master) and is there for its step time; ``nvme`` is what frees memory. Step time is the median of
@@ -50,7 +50,7 @@ from zero import _batches, _case  # noqa: E402  (bench/zero.py: the same model a
 
 PEERS = [
     "dscompile-none", "dscompile-cpu", "dscompile-nvme", "dscompile-param", "dscompile-infinity",
-    "fsdp2", "fsdp2-cpuoffload", "deepspeed-cpu", "deepspeed-nvme",
+    "fsdp2", "fsdp2-cpuoffload", "deepspeed-cpu", "deepspeed-nvme", "deepspeed-infinity",
 ]
 LR = 1e-4
 
