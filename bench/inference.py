@@ -122,6 +122,31 @@ def hf_static_compiled(model: torch.nn.Module, new: int) -> Runner:
     return run
 
 
+def deepspeed_engine(model: torch.nn.Module, new: int, prompt: int) -> Runner | str:
+    """DeepSpeed's ``init_inference`` (AutoTP path: no kernel injection, the only one that runs on CPU).
+
+    One process, so ``tp_size`` 1: AutoTP has nothing to split and the model runs as Hugging Face's,
+    called through DeepSpeed's engine (its ``generate`` checks ``max_out_tokens`` and calls the
+    model's). Returns the reason instead when DeepSpeed cannot be imported."""
+    try:
+        import deepspeed
+    except Exception as exc:  # not installed, or its accelerator does not load here
+        return f"{type(exc).__name__}: {exc}"
+    engine = deepspeed.init_inference(
+        model, dtype=torch.float32, tensor_parallel={"tp_size": 1}, replace_with_kernel_inject=False, max_out_tokens=prompt + new
+    )
+
+    def run(ids: torch.Tensor) -> tuple[float, float]:
+        start = time.perf_counter()
+        engine.generate(ids, max_new_tokens=1, do_sample=False)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        engine.generate(ids, max_new_tokens=new, do_sample=False)
+        return first, time.perf_counter() - start
+
+    return run
+
+
 def dscompile_engine(model: torch.nn.Module, new: int, prompt: int, **config: Any) -> Runner:
     import dscompile
 
@@ -148,6 +173,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", action="store_true", help="also int8 weight-only dscompile")
     parser.add_argument("--skip-hf-compile", action="store_true", help="leave out torch.compile(model.forward) (its compile is slow on CPU)")
+    parser.add_argument("--skip-deepspeed", action="store_true", help="leave out DeepSpeed init_inference")
     parser.add_argument("--no-fused", action="store_true", help="leave out dscompile with replace_with_kernel_inject (one compile less)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -169,12 +195,18 @@ def main() -> None:
             contenders["hf eager"] = hf_eager(base, args.new)
             if not args.skip_hf_compile:
                 contenders["hf static+torch.compile"] = hf_static_compiled(fresh(), args.new)
+            if not args.skip_deepspeed:
+                ds = deepspeed_engine(fresh(), args.new, args.prompt)
+                if isinstance(ds, str):
+                    print(f"  deepspeed init_inference skipped: {ds}")
+                else:
+                    contenders["deepspeed init_inference"] = ds
             contenders["dscompile fp32"] = dscompile_engine(fresh(), args.new, args.prompt)
             if not args.no_fused:
                 contenders["dscompile fp32 fused"] = dscompile_engine(fresh(), args.new, args.prompt, replace_with_kernel_inject=True)
             if args.quant:
                 contenders["dscompile int8"] = dscompile_engine(
-                    fresh(), args.new, args.prompt, quant={"enabled": True, "weight": {"num_bits": 8, "q_groups": 64}}
+                    fresh(), args.new, args.prompt, quant={"enabled": True, "weight": {"num_bits": 8}}
                 )
             firsts: dict[str, list[float]] = {k: [] for k in contenders}
             rates: dict[str, list[float]] = {k: [] for k in contenders}
