@@ -130,7 +130,7 @@ class TensorParallelGraphs:
         self.stand_in = stand_in(model)
         self.slices: dict[str, SliceSpec] | None = None  # the model's parameter slices (fixed by the first capture)
         self.split_blocks: list[dict[str, Any]] = []
-        self.quant = quant  # (bits, q_groups, symmetric, lm_head): the layers are packed at the first split
+        self.quant = quant  # (bits, q_groups, symmetric, embeddings): the layers are packed at the first split
         if quant is not None:
             check_q_groups(model, quant[1])
         self.quantized_layers: dict[str, int] = {}
@@ -168,9 +168,9 @@ class TensorParallelGraphs:
             with torch.no_grad():
                 packed: set[str] = set()
                 if self.quant is not None:  # from the full weights, before they are sliced
-                    bits, q_groups, symmetric, lm_head = self.quant
+                    bits, q_groups, symmetric, embeddings = self.quant
                     self.quantized_layers.update(
-                        quantize_model_weights(self.model, bits, q_groups, symmetric, params, self.groups.tp_rank, self.tp_size, lm_head=lm_head)
+                        quantize_model_weights(self.model, bits, q_groups, symmetric, params, self.groups.tp_rank, self.tp_size, quantize_embeddings=embeddings)
                     )
                     packed = set(packed_storage(self.model))
                 for pname, spec in params.items():

@@ -68,14 +68,14 @@ class WeightQuantConfig:
     ``q_groups`` splits each weight (flattened as ``[out, in]``) into that many equal chunks, each
     with its own scale (and zero point when asymmetric). Not given: groups of 128 input columns of
     each row (DeepSpeed's default is one group per weight; see ``runtime/inference/weights.py``).
-    ``quantize_lm_head`` (dscompile's own key): quantize the output head too; by default it (and an
-    embedding tied to it) stays in ``dtype``."""
+    ``quantize_embeddings`` (dscompile's own key): quantize the embeddings and the output head too; by
+    default they stay in ``dtype``, as DeepSpeed's int8 kernel injection leaves them."""
 
     enabled: bool = True
     num_bits: int = 8
     q_type: Literal["symmetric", "asymmetric"] = "symmetric"
     q_groups: int | None = None
-    quantize_lm_head: bool = False
+    quantize_embeddings: bool = False
     quantized_initialization: Any = unbuilt(None, "quantized checkpoint loading (quant.weight.quantized_initialization)")
     post_init_quant: Any = unbuilt(None, "per-module quantization policies (quant.weight.post_init_quant)")
 
