@@ -206,8 +206,8 @@ def main() -> None:
                 contenders["dscompile fp32 fused"] = dscompile_engine(fresh(), args.new, args.prompt, replace_with_kernel_inject=True)
             if args.quant:
                 contenders["dscompile int8"] = dscompile_engine(fresh(), args.new, args.prompt, quant={"enabled": True, "weight": {"num_bits": 8}})
-                contenders["dscompile int8 +head"] = dscompile_engine(
-                    fresh(), args.new, args.prompt, quant={"enabled": True, "weight": {"num_bits": 8, "quantize_lm_head": True}}
+                contenders["dscompile int8 all"] = dscompile_engine(
+                    fresh(), args.new, args.prompt, quant={"enabled": True, "weight": {"num_bits": 8, "quantize_embeddings": True}}
                 )
             firsts: dict[str, list[float]] = {k: [] for k in contenders}
             rates: dict[str, list[float]] = {k: [] for k in contenders}
