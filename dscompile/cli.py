@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-out-tokens", type=int, default=None, help="KV cache size (default: prompt + new tokens)")
     gen.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
     gen.add_argument("--quant-bits", type=int, choices=(8, 4), default=None, help="weight-only quantization")
-    gen.add_argument("--q-groups", type=int, default=1)
+    gen.add_argument("--q-groups", type=int, default=None, help="DeepSpeed's q_groups (default: groups of 128 columns per row)")
     gen.add_argument("--kernel-inject", action="store_true", help="run the inference fusion passes (replace_with_kernel_inject)")
     gen.add_argument("--lower", choices=("eager", "inductor", "triton"), default=None)
     gen.add_argument("--do-sample", action="store_true")

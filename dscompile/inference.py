@@ -81,7 +81,9 @@ class InferenceEngine(nn.Module):
         weight = config.quant.weight
         tp_size = config.tensor_parallel.tp_size if config.tensor_parallel.enabled else 1
         if bits is not None and tp_size == 1:  # under TP the split packs each rank's slices (passes/inference_tensor_parallel.py)
-            self.quantized_layers = quantize_model_weights(model, bits, weight.q_groups, weight.q_type == "symmetric")
+            self.quantized_layers = quantize_model_weights(
+                model, bits, weight.q_groups, weight.q_type == "symmetric", quantize_embeddings=weight.quantize_embeddings
+            )
         self.module = model
         self.compile_counts = {"forward": 0, "prefill": 0, "decode": 0}
         self.options: dict[str, Any] = {"pipeline": inference_pipeline(config)}
@@ -89,7 +91,7 @@ class InferenceEngine(nn.Module):
             self.options["dump"] = config.dump
         self.tensor_parallel: TensorParallelGraphs | None = None
         if tp_size > 1:  # collective: every rank of the world builds its engine together
-            quant = None if bits is None else (bits, weight.q_groups, weight.q_type == "symmetric")
+            quant = None if bits is None else (bits, weight.q_groups, weight.q_type == "symmetric", weight.quantize_embeddings)
             self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant)
             self.quantized_layers = self.tensor_parallel.quantized_layers  # filled when the first graph splits the model
             self._forward: Callable[..., Any] = TensorParallelForward(self.tensor_parallel)

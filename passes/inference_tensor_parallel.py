@@ -111,7 +111,7 @@ def stand_in(model: nn.Module) -> nn.Module:
 class TensorParallelGraphs:
     """The TP group, the model's slices, and the split graphs captured so far (one per input shape)."""
 
-    def __init__(self, model: nn.Module, tp_size: int, compile_graph: CompileGraph, quant: tuple[int, int, bool] | None = None) -> None:
+    def __init__(self, model: nn.Module, tp_size: int, compile_graph: CompileGraph, quant: tuple[int, int | None, bool, bool] | None = None) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world % tp_size:
             raise DSCompileConfigError(
@@ -130,7 +130,7 @@ class TensorParallelGraphs:
         self.stand_in = stand_in(model)
         self.slices: dict[str, SliceSpec] | None = None  # the model's parameter slices (fixed by the first capture)
         self.split_blocks: list[dict[str, Any]] = []
-        self.quant = quant  # (bits, q_groups, symmetric): the layers are packed at the first split
+        self.quant = quant  # (bits, q_groups, symmetric, embeddings): the layers are packed at the first split
         if quant is not None:
             check_q_groups(model, quant[1])
         self.quantized_layers: dict[str, int] = {}
@@ -168,8 +168,10 @@ class TensorParallelGraphs:
             with torch.no_grad():
                 packed: set[str] = set()
                 if self.quant is not None:  # from the full weights, before they are sliced
-                    bits, q_groups, symmetric = self.quant
-                    self.quantized_layers.update(quantize_model_weights(self.model, bits, q_groups, symmetric, params, self.groups.tp_rank, self.tp_size))
+                    bits, q_groups, symmetric, embeddings = self.quant
+                    self.quantized_layers.update(
+                        quantize_model_weights(self.model, bits, q_groups, symmetric, params, self.groups.tp_rank, self.tp_size, quantize_embeddings=embeddings)
+                    )
                     packed = set(packed_storage(self.model))
                 for pname, spec in params.items():
                     if pname in packed:

@@ -43,8 +43,10 @@ def test_decode_matmuls_stream_weights_and_match_hf() -> None:
 
 
 def test_int8_decode_reads_packed_codes() -> None:
-    """The int8 decode graph's matmuls take the dequantized weight as a producer of the reduction, not an mm input."""
-    quant = {"enabled": True, "weight": {"num_bits": 8, "q_groups": 4}}
+    """The int8 decode graph's matmuls take the dequantized weight as a producer of the reduction, not an mm input.
+
+    ``quantize_embeddings``: the LM head packed too (by default it stays fp32), so all 15 matmuls read codes."""
+    quant = {"enabled": True, "weight": {"num_bits": 8, "q_groups": 4, "quantize_embeddings": True}}
     engine = dscompile.init_inference(tiny("llama"), dtype=torch.float32, max_out_tokens=64, quant=quant)
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
     with pass_messages("decode_gemv") as messages:

@@ -66,19 +66,23 @@ class WeightQuantConfig:
     """``quant.weight``: weight-only quantization, DeepSpeed's ``num_bits``/``q_type``/``q_groups``.
 
     ``q_groups`` splits each weight (flattened as ``[out, in]``) into that many equal chunks, each
-    with its own scale (and zero point when asymmetric)."""
+    with its own scale (and zero point when asymmetric). Not given: groups of 128 input columns of
+    each row (DeepSpeed's default is one group per weight; see ``runtime/inference/weights.py``).
+    ``quantize_embeddings`` (dscompile's own key): quantize the embeddings and the output head too; by
+    default they stay in ``dtype``, as DeepSpeed's int8 kernel injection leaves them."""
 
     enabled: bool = True
     num_bits: int = 8
     q_type: Literal["symmetric", "asymmetric"] = "symmetric"
-    q_groups: int = 1
+    q_groups: int | None = None
+    quantize_embeddings: bool = False
     quantized_initialization: Any = unbuilt(None, "quantized checkpoint loading (quant.weight.quantized_initialization)")
     post_init_quant: Any = unbuilt(None, "per-module quantization policies (quant.weight.post_init_quant)")
 
     def validate(self, path: str) -> None:
         if self.num_bits not in (8, 4):
             raise DSCompileConfigError(f"{path}.num_bits", f"{self.num_bits} bits is not built", "use 8 or 4")
-        if self.q_groups < 1:
+        if self.q_groups is not None and self.q_groups < 1:
             raise DSCompileConfigError(f"{path}.q_groups", f"must be >= 1, got {self.q_groups}")
 
 
