@@ -98,16 +98,22 @@ def build(arch: str, size: str) -> torch.nn.Module:
 Runner = Callable[[torch.Tensor], tuple[float, float]]  # prompt -> (first-token s, total s)
 
 
-def hf_eager(model: torch.nn.Module, new: int) -> Runner:
+def _generate_runner(generate: Callable[..., Any], new: int, **kwargs: Any) -> Runner:
+    """Time one token (first-token latency), then ``new`` tokens, greedy, through ``generate``."""
+
     def run(ids: torch.Tensor) -> tuple[float, float]:
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, do_sample=False)
+        generate(ids, max_new_tokens=1, do_sample=False, **kwargs)
         first = time.perf_counter() - start
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new, do_sample=False)
+        generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
         return first, time.perf_counter() - start
 
     return run
+
+
+def hf_eager(model: torch.nn.Module, new: int) -> Runner:
+    return _generate_runner(model.generate, new)
 
 
 def hf_static_compiled(model: torch.nn.Module, new: int) -> Runner:
@@ -117,14 +123,7 @@ def hf_static_compiled(model: torch.nn.Module, new: int) -> Runner:
     original = model.forward
     model.forward = compiled
 
-    def run(ids: torch.Tensor) -> tuple[float, float]:
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, do_sample=False, cache_implementation="static")
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new, do_sample=False, cache_implementation="static")
-        return first, time.perf_counter() - start
-
+    run = _generate_runner(model.generate, new, cache_implementation="static")
     run.restore = lambda: setattr(model, "forward", original)  # type: ignore[attr-defined]
     return run
 
@@ -142,16 +141,7 @@ def deepspeed_engine(model: torch.nn.Module, new: int, prompt: int) -> Runner | 
     engine = deepspeed.init_inference(
         model, dtype=torch.float32, tensor_parallel={"tp_size": 1}, replace_with_kernel_inject=False, max_out_tokens=prompt + new
     )
-
-    def run(ids: torch.Tensor) -> tuple[float, float]:
-        start = time.perf_counter()
-        engine.generate(ids, max_new_tokens=1, do_sample=False)
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        engine.generate(ids, max_new_tokens=new, do_sample=False)
-        return first, time.perf_counter() - start
-
-    return run
+    return _generate_runner(engine.generate, new)
 
 
 def dscompile_engine(model: torch.nn.Module, new: int, prompt: int, **config: Any) -> Runner:
