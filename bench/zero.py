@@ -106,6 +106,7 @@ dscompile loses most against it here.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -163,7 +164,8 @@ def _build(peer: str, case: Any, args: dict[str, Any]) -> Any:
         config = {
             "train_micro_batch_size_per_gpu": args["batch"],
             "optimizer": _adamw_section(),
-            "zero_optimization": {"stage": stage, "overlap_comm": True, "stage3_param_persistence_threshold": 1e4, "profile_steps": profile_steps},
+            "zero_optimization": {"stage": stage, "overlap_comm": True, "stage3_param_persistence_threshold": 1e4, "profile_steps": profile_steps,
+                                  **args["zero_extra"]},
             "lower": args["lower"],
         }
         engine, _, _, _ = dscompile.initialize(model=model, config=config)
@@ -283,6 +285,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="peers alternated A B A B ...: each peer runs this many times; median and spread")
     parser.add_argument("--profile", action="store_true", help="profile one extra step per peer (rank 0's op table grouped)")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--zero-extra", type=json.loads, default={}, help="more dscompile zero_optimization keys, as JSON")
     opts = parser.parse_args()
     if opts.profile_steps < 1 or opts.warmup <= opts.profile_steps:
         parser.error("need 1 <= --profile-steps < --warmup: the profiled steps and the recompile after them are not steady steps")
@@ -290,7 +293,7 @@ def main() -> None:
 
     args = {"d_model": opts.d_model, "heads": opts.heads, "layers": opts.layers, "vocab": opts.vocab, "seq": opts.seq, "batch": opts.batch,
             "steps": opts.steps, "warmup": opts.warmup, "lower": opts.lower, "profile_steps": opts.profile_steps, "model": opts.model,
-            "profile": opts.profile}
+            "profile": opts.profile, "zero_extra": opts.zero_extra}
     def run_peer(peer: str, round_index: int) -> dict[str, Any] | None:
         torch._dynamo.reset()
         try:

@@ -7,8 +7,10 @@ This pass works on them in three graphs:
 
 - joint: marks every gather (and use) ``MUST_RECOMPUTE`` so the partitioner does not keep the
   full parameter alive from forward to backward: it is released after its last forward use and
-  gathered again in backward. Selective unsharding (``unshard_budget`` elements) instead keeps
-  the largest gathers that fit saved (``MUST_SAVE``), so the fewest bytes are re-gathered.
+  gathered again in backward. Two exceptions are kept saved (``MUST_SAVE``): the parameters
+  reused within ``stage3_max_reuse_distance`` elements (DeepSpeed's rule: the last blocks, whose
+  backward comes right after their forward), and, with selective unsharding (``unshard_budget``
+  elements), the largest other gathers that fit, so the fewest bytes are re-gathered.
 - forward/backward: replaces each op with functional collectives (``_c10d_functional``
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` + ``wait_tensor``) plus the slicing
   and the division by the world size around them, and moves every gather to just before its
@@ -59,8 +61,12 @@ class ZeroConfig:
     budget are planned again from the measurements, agreed across ranks, and the model recompiled
     once; the sizes above become upper bounds. 0 (the default) plans from the config alone, with no
     profiling steps (they run op by op, slower) and no second compile.
+    ``stage3_max_reuse_distance`` is DeepSpeed's: a ZeRO-3 parameter used again (in backward) before
+    that many elements of other parameters is kept gathered from forward to backward instead of
+    re-gathered (DeepSpeed's default 1e9 keeps every parameter of a model under ~0.5B; 0 re-gathers
+    all), nearest reuses first, at most ``stage3_max_live_parameters`` elements kept.
     ``contiguous_gradients``, ``round_robin_gradients``,
-    ``stage3_max_reuse_distance``, ``memory_efficient_linear``, ``use_multi_rank_bucket_allreduce``,
+    ``memory_efficient_linear``, ``use_multi_rank_bucket_allreduce``,
     ``compute_grad_norm`` (dscompile computes the norm only to clip), ``legacy_stage1``,
     ``parameter_alignment``, ``stage3_module_granularity_threshold``, ``leaf_module``,
     ``stage3_use_all_reduce_for_fetch_params``, ``stage3_allgather_sequential``,
@@ -266,7 +272,8 @@ def _zero_rule(config: Any) -> list[Any]:
     # ZeRO-3 gathers at most a prefetch bucket at once: a bigger all-gather bucket would undo the sharding.
     gather_bucket = min(zc.allgather_bucket_size, zc.stage3_prefetch_bucket_size) if zc.stage == 3 else zc.allgather_bucket_size
     items = [
-        invocation("zero", stage=zc.stage, unshard_budget=zc.unshard_budget),
+        invocation("zero", stage=zc.stage, unshard_budget=zc.unshard_budget, max_reuse_distance=int(zc.stage3_max_reuse_distance),
+                   max_live_parameters=int(zc.stage3_max_live_parameters)),
         invocation("zero_bucketing", allgather_bucket_size=max(1, gather_bucket), reduce_bucket_size=zc.reduce_bucket_size),
     ]
     if zc.stage == 3:
@@ -291,6 +298,8 @@ def _zero_rule(config: Any) -> list[Any]:
 class ZeroPassOptions:
     stage: int = 3
     unshard_budget: int = 0
+    max_reuse_distance: int = 1_000_000_000
+    max_live_parameters: int = 1_000_000_000
 
 
 def is_zero_start(node: torch.fx.Node, kind: str | None = None) -> bool:
@@ -347,13 +356,13 @@ def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptio
 
 def _mark_recompute(gm: torch.fx.GraphModule, options: ZeroPassOptions) -> None:
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (zero_ops.GATHER, zero_ops.USE)]
-    keep: set[torch.fx.Node] = set()
+    keep = _reused_soon(gm.graph, gathers, options.max_reuse_distance, options.max_live_parameters)
     budget = options.unshard_budget
     if budget > 0:
         # Selective unsharding: keeping the biggest gathers that fit re-gathers the fewest bytes.
         sized = sorted((n for n in gathers if n.target is zero_ops.GATHER), key=lambda n: -int(n.args[2]))
         for node in sized:
-            if int(node.args[2]) <= budget:
+            if node not in keep and int(node.args[2]) <= budget:
                 keep.add(node)
                 budget -= int(node.args[2])
     for node in gathers:
@@ -364,6 +373,83 @@ def _mark_recompute(gm: torch.fx.GraphModule, options: ZeroPassOptions) -> None:
         if node.op == "call_function" and node.target is zero_ops.PARAM_LOAD:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             ds_meta(node)["recomputable"] = True
+
+
+def _reused_soon(graph: torch.fx.Graph, uses: list[torch.fx.Node], max_distance: int, max_live: int) -> set[torch.fx.Node]:
+    """DeepSpeed's ``stage3_max_reuse_distance``: the gathers to keep from forward to backward.
+
+    A parameter is released after its last forward use unless it is used again (in backward) before
+    ``max_distance`` elements of other parameters have been used: then re-gathering it would cost a
+    collective for a tensor that is needed again almost at once (the last blocks of a model, first in
+    backward). Distances count, as DeepSpeed's trace does, each parameter once per run of consecutive
+    uses. Kept elements stay under ``max_live`` (``stage3_max_live_parameters``), the nearest reuses
+    first. Shards read from the host or NVMe (``offload_param``) are never kept: that offload is for memory.
+    """
+    gathers = [n for n in uses if n.target is zero_ops.GATHER and not _reads_offloaded_shard(n)]
+    if max_distance <= 0 or not gathers:
+        return set()
+    backward = _tangent_descendants(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    events: list[tuple[int, torch.fx.Node, bool]] = []
+    for gather in gathers:
+        views = _view_closure(gather)
+        events += [(order[u], gather, u in backward) for v in (gather, *views) for u in v.users if u not in views]
+    events.sort(key=lambda e: e[0])
+    trace: list[tuple[torch.fx.Node, bool]] = []  # one entry per run of uses of the same parameter in one direction
+    for _, gather, in_backward in events:
+        if not trace or trace[-1] != (gather, in_backward):
+            trace.append((gather, in_backward))
+    last_forward: dict[torch.fx.Node, int] = {}
+    first_backward: dict[torch.fx.Node, int] = {}
+    for index, (gather, in_backward) in enumerate(trace):
+        if not in_backward:
+            last_forward[gather] = index
+        else:
+            first_backward.setdefault(gather, index)
+    prefix = [0]  # elements used before each trace entry
+    for gather, _ in trace:
+        prefix.append(prefix[-1] + int(gather.args[2]))
+    candidates = []
+    for gather, start in last_forward.items():
+        end = first_backward.get(gather)
+        if end is None or end < start:
+            continue
+        distance = prefix[end] - prefix[start + 1]
+        if distance < max_distance:
+            candidates.append((distance, order[gather], gather))
+    keep: set[torch.fx.Node] = set()
+    live = 0
+    for _, _, gather in sorted(candidates, key=lambda c: c[:2]):
+        if live + int(gather.args[2]) <= max_live:
+            keep.add(gather)
+            live += int(gather.args[2])
+    return keep
+
+
+def _reads_offloaded_shard(gather: torch.fx.Node) -> bool:
+    """Whether the gather's shard comes from ``zero_param_load`` (directly, or through a cast or view)."""
+    node = gather.args[0]
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target is zero_ops.PARAM_LOAD:
+            return True
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
+def _tangent_descendants(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The joint graph's backward: every node computed from a ``tangents_*`` input."""
+    found: set[torch.fx.Node] = set()
+    frontier = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user not in found:
+                found.add(user)
+                frontier.append(user)
+    return found
 
 
 def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:

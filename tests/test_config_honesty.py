@@ -32,8 +32,6 @@ ALLOWED_UNREAD: dict[tuple[str, str], str] = {
     "reduce-scatter outputs, already one buffer per bucket (same maths, documented in ZeroConfig)",
     ("ZeroConfig", "round_robin_gradients"): "DeepSpeed's order of copying gradients into its CPU-offload buffers; the offloaded "
     "step here reads each shard's gradient in place (same maths, documented)",
-    ("ZeroConfig", "stage3_max_reuse_distance"): "DeepSpeed's runtime cache of gathered parameters; the partitioner decides "
-    "re-gathers from the graph (unshard_budget) (same maths, documented)",
     ("ZeroConfig", "memory_efficient_linear"): "DeepSpeed's custom linear autograd function for ZeRO-3; the compiled graph "
     "releases gathered weights itself (same maths, documented)",
     ("ZeroConfig", "elastic_checkpoint"): "every dscompile ZeRO checkpoint loads on any world size (resharded), so both values "

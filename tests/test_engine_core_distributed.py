@@ -78,9 +78,10 @@ def test_communication_stats_and_allgather_partitions() -> None:
         torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)
         z3 = result["zero3"]
         padded_bytes = 4 * z3["padded"]
-        # in the compiled graphs: forward gathers every parameter once; backward re-gathers and reduce-scatters every gradient
+        # in the compiled graphs: forward gathers every parameter once; backward reduce-scatters every gradient and, within
+        # DeepSpeed's default stage3_max_reuse_distance (1e9 elements: all of this model), gathers nothing again
         assert z3["after_forward"] == {"in_graph": {"all_gather": {"calls": z3["after_forward"]["in_graph"]["all_gather"]["calls"], "bytes": padded_bytes}}}
         graph = z3["after_step"]["in_graph"]
         assert graph["reduce_scatter"]["bytes"] == padded_bytes
-        assert padded_bytes < graph["all_gather"]["bytes"] <= 2 * padded_bytes
+        assert graph["all_gather"]["bytes"] == padded_bytes
         assert "zero" not in z3["after_step"]  # nothing is kept whole, so no refresh after the step

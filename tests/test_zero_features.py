@@ -93,6 +93,43 @@ class _RankZeroOverflow:
         self.updates.append(overflow)
 
 
+def _layered_joint_graph(sizes: list[int], offloaded: int | None = None) -> tuple[torch.fx.Graph, list[torch.fx.Node]]:
+    """A joint graph of ``len(sizes)`` linear layers: gathers used in forward in order, in backward reversed."""
+    from dscompile.runtime import zero_ops
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    hidden = graph.placeholder("x")
+    shards = [graph.placeholder(f"shard{i}") for i in range(len(sizes))]
+    grad = graph.placeholder("tangents_1")
+    gathers = []
+    for i, (shard, numel) in enumerate(zip(shards, sizes, strict=True)):
+        if i == offloaded:  # read from the host, then cast (as under bf16)
+            shard = graph.call_function(aten._to_copy.default, (graph.call_function(zero_ops.PARAM_LOAD, (shard, 0, i)),))
+        gathers.append(graph.call_function(zero_ops.GATHER, (shard, [numel], numel, "")))
+    for gather in gathers:
+        hidden = graph.call_function(aten.mm.default, (hidden, graph.call_function(aten.t.default, (gather,))))
+    for gather in reversed(gathers):
+        grad = graph.call_function(aten.mm.default, (grad, gather))
+    graph.output((hidden, grad))
+    return graph, gathers
+
+
+def test_reuse_distance_keeps_the_parameters_reused_soonest() -> None:
+    """DeepSpeed's ``stage3_max_reuse_distance`` rule on a 4-layer joint graph: layer i's backward use comes
+    after 2 x (the elements of the layers above it), so the last layers are kept first."""
+    from dscompile.passes.zero import _reused_soon
+
+    graph, gathers = _layered_joint_graph([100, 100, 100, 100])  # reuse distances 600, 400, 200, 0
+    assert _reused_soon(graph, gathers, 0, 10**9) == set()
+    assert _reused_soon(graph, gathers, 1, 10**9) == {gathers[3]}
+    assert _reused_soon(graph, gathers, 201, 10**9) == {gathers[2], gathers[3]}
+    assert _reused_soon(graph, gathers, 10**9, 10**9) == set(gathers)
+    assert _reused_soon(graph, gathers, 10**9, 250) == {gathers[2], gathers[3]}  # stage3_max_live_parameters caps the kept elements
+    graph, gathers = _layered_joint_graph([100, 100, 100, 100], offloaded=3)
+    assert _reused_soon(graph, gathers, 10**9, 10**9) == set(gathers[:3])  # offload_param shards are read again, never kept
+
+
 def features_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
@@ -139,7 +176,8 @@ def features_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     case = _case("gpt")
     dump = f"{dump_root}/unshard_rank{rank}"
-    big = {"unshard_budget": 10**9, "reduce_bucket_size": 10**9, "allgather_bucket_size": 10**9, "stage3_prefetch_bucket_size": 10**9}
+    big = {"unshard_budget": 10**9, "stage3_max_reuse_distance": 0,
+           "reduce_bucket_size": 10**9, "allgather_bucket_size": 10**9, "stage3_prefetch_bucket_size": 10**9}
     engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0, big, dump))
     for step in range(3):
         loss = engine(*_micro_batch(case, step, 0, rank))
@@ -153,7 +191,7 @@ def features_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     case = _case("gpt")
     dump = f"{dump_root}/prefetch_rank{rank}"
-    small = {"reduce_bucket_size": 1500, "allgather_bucket_size": 1500, "stage3_prefetch_bucket_size": 3000}
+    small = {"reduce_bucket_size": 1500, "allgather_bucket_size": 1500, "stage3_prefetch_bucket_size": 3000, "stage3_max_reuse_distance": 0}
     engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0, small, dump))
     loss = engine(*_micro_batch(case, 0, 0, rank))
     engine.backward(loss)

@@ -44,6 +44,8 @@ def _engine(
             extra["offload_param"] = {"device": "nvme", "nvme_path": offload}
     elif offload:
         extra["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:  # every shard gathered again in backward, as offloaded parameters are: the same graphs in every run
+        extra["stage3_max_reuse_distance"] = 0
     config = _config(stage, gas, clip, extra)
     config["lower"] = lower
     if bf16:
