@@ -29,6 +29,7 @@ from dscompile.graph import ds_meta, node_value
 from dscompile.passes.zero import is_zero_start, new_node
 from dscompile.passes.zero_schedule import sole_user, stable_toposort
 from dscompile.pipeline import PassContext, register_pass
+from dscompile.runtime.zero_shard import CPU_ALONE_ABOVE  # one rule for the graphs and the out-of-graph collectives
 
 log = logging.getLogger("dscompile.passes.zero_bucketing")
 
@@ -36,8 +37,6 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-CPU_ALONE_ABOVE = 1 << 16
-"""Elements above which a collective on CPU tensors is not bucketed (its copies would cost more than its latency)."""
 
 
 @dataclass

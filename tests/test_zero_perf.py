@@ -3,6 +3,9 @@ and the fused Adam/AdamW the shards are stepped with (``bench/zero.py`` measures
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch.fx
 from torch import nn
@@ -11,6 +14,7 @@ from dscompile.graph import ds_meta
 from dscompile.passes.zero_bucketing import CPU_ALONE_ABOVE, _buckets
 from dscompile.runtime.zero_extension import shard_optimizer
 from dscompile.runtime.zero_shard import ZeroPartition
+from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
 
 def _starts(elements: list[int], device: str = "cpu") -> list[torch.fx.Node]:
@@ -55,3 +59,48 @@ def test_shards_are_stepped_by_fused_adamw_with_the_plain_results() -> None:
     explicit = shard_optimizer(torch.optim.AdamW(model.parameters(), foreach=False), ZeroPartition(model, stage=1))
     assert explicit.param_groups[0]["fused"] is None  # the user's choice of implementation is kept
     assert shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), ZeroPartition(model, stage=1)).param_groups[0].get("fused") in (None, False)
+
+
+def _wide_model() -> nn.Module:
+    """Two weights over ``CPU_ALONE_ABOVE`` elements (one of odd size, so padded at world 2), small ones between."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(257, 259), nn.Tanh(), nn.Linear(259, 64), nn.Tanh(), nn.Linear(64, 1040))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randn(3, 257, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def out_of_graph_rank(rank: int, world: int) -> dict[str, Any]:
+    model = _wide_model()
+    partition = ZeroPartition(model, stage=1)  # ZeRO-1: full gradients reduced, full copies refreshed, both outside the graphs
+    model(_batch(rank)).square().sum().backward()
+    partition.reduce_gradients()
+    grads = [shard.grad.clone() for shard in partition.shards]
+    with torch.no_grad():
+        for shard in partition.shards:
+            shard.add_(shard.grad)
+    partition.gather_full_params()
+    return {"grads": grads, "params": [p.detach().clone() for p in model.parameters()], "copy_free": partition.copy_free_collectives,
+            "shard_numels": [layout.shard_numel for layout in partition.layouts]}
+
+
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_out_of_graph_collectives_of_big_parameters_skip_the_flat_copies() -> None:
+    """ZeRO-1's gradient reduce-scatter and the post-step refresh: a big unpadded parameter's collectives read the
+    gradient and write the full copy themselves; the padded one and the small ones go through flat buffers; all
+    give the averaged gradients and the updated parameters of one process."""
+    results = run_distributed_or_fail(out_of_graph_rank, 2, timeout=120)
+    reference = _wide_model()
+    for rank in range(2):
+        (reference(_batch(rank)).square().sum() / 2).backward()
+    expected = [p.detach() + p.grad for p in reference.parameters()]
+    for rank, result in enumerate(results):
+        # once each way for the 64x1040 weight and for the last bias (a bucket of its own after it); the odd 257x259 weight is padded
+        assert result["copy_free"] == 4, result["copy_free"]
+        for grad, p, length in zip(result["grads"], reference.parameters(), result["shard_numels"], strict=True):
+            flat = torch.nn.functional.pad(p.grad.reshape(-1), (0, 2 * length - p.numel()))
+            torch.testing.assert_close(grad, flat[rank * length : (rank + 1) * length], rtol=1e-6, atol=1e-6)
+        for got, want in zip(result["params"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

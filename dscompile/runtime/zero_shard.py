@@ -14,6 +14,7 @@ gradients at the accumulation boundary (``ZeroPartition.reduce_gradients``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -33,7 +34,12 @@ from dscompile.runtime.devices import collective_device
 log = logging.getLogger("dscompile.zero")
 
 OUT_OF_GRAPH_BUCKET_CAP = 64 << 20
-"""Largest flat buffer (bytes) the eager gather/reduce of ZeRO-1/2 builds at once."""
+"""Largest flat buffer (bytes) the eager gather/reduce of ZeRO-1/2 builds at once, and the most such buffers'
+bytes in flight at once."""
+
+CPU_ALONE_ABOVE = 1 << 16
+"""Elements above which a collective on CPU tensors is not bucketed (its copies would cost more than its latency):
+the graph passes' rule (``passes/zero_bucketing.py``) and the out-of-graph collectives' alike."""
 
 
 @dataclass
@@ -60,6 +66,32 @@ class ParamLayout:
             "persistent": self.persistent,
             "aliases": list(self.aliases),
         }
+
+
+class _InFlight:
+    """Asynchronous collectives outside the graphs, finished in issue order: each one's copy-out runs while the
+    later ones are still moving, and the flat buffers in flight stay under ``OUT_OF_GRAPH_BUCKET_CAP`` bytes."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[tuple[Any, int, Callable[[], None] | None]] = collections.deque()
+        self._bytes = 0
+
+    def add(self, work: Any, nbytes: int = 0, then: Callable[[], None] | None = None) -> None:
+        self._queue.append((work, nbytes, then))
+        self._bytes += nbytes
+        while self._bytes > OUT_OF_GRAPH_BUCKET_CAP and len(self._queue) > 1:
+            self._finish_oldest()
+
+    def drain(self) -> None:
+        while self._queue:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, nbytes, then = self._queue.popleft()
+        work.wait()
+        self._bytes -= nbytes
+        if then is not None:
+            then()
 
 
 def shard_numel(numel: int, world: int) -> int:
@@ -202,6 +234,8 @@ class ZeroPartition:
         self.bucket_bytes = max(1, min(int(bucket_bytes), OUT_OF_GRAPH_BUCKET_CAP))
         # dtype of ZeRO-1's gradient reduce-scatter (``communication_data_type``); None: the gradients' own.
         self.comm_dtype: torch.dtype | None = None
+        # out-of-graph collectives that read or wrote the parameter or gradient itself, with no flat copy (tests, benchmarks)
+        self.copy_free_collectives = 0
         # offload_param (``runtime/offload/params.py``): makes offloaded shards' values resident for code that reads
         # or writes them outside the graphs (full state, checkpoints); None: shards are always resident.
         self.residency: Callable[[], contextlib.AbstractContextManager[None]] | None = None
@@ -261,10 +295,25 @@ class ZeroPartition:
 
     # -- collectives outside the graphs --------------------------------------------------------
     def _buckets(self, indices: Iterable[int]) -> Iterator[list[int]]:
-        indices = list(indices)
+        """Byte-capped buckets in parameter order; on CPU a parameter over ``CPU_ALONE_ABOVE`` elements goes alone."""
+        run: list[int] = []
+        for i in indices:
+            if self.shards[i].device.type == "cpu" and self.layouts[i].shard_numel * self.world > CPU_ALONE_ABOVE:
+                yield from self._planned(run)
+                run = []
+                yield [i]
+            else:
+                run.append(i)
+        yield from self._planned(run)
+
+    def _planned(self, indices: list[int]) -> Iterator[list[int]]:
         sizes = [self.layouts[i].shard_numel * self.world * self.shards[i].element_size() for i in indices]
         for bucket in plan_byte_buckets(sizes, [self.shards[i].dtype for i in indices], self.bucket_bytes):
             yield [indices[j] for j in bucket]
+
+    def _unpadded(self, i: int, full: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether parameter ``i``'s collective can read or write ``full`` itself: no padding, one flat layout, same dtype."""
+        return self.layouts[i].numel == self.layouts[i].shard_numel * self.world and full.is_contiguous() and full.dtype == dtype
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -277,7 +326,18 @@ class ZeroPartition:
         counts = self.gradient_counts([p.grad is not None for p in self.full_params])
         self.check_unused(counts)
         have = [i for i, count in enumerate(counts) if count > 0]
+        in_flight = _InFlight()
         for bucket in self._buckets(have):
+            if self.world > 1 and len(bucket) == 1 and self.comm_dtype is None:
+                i = bucket[0]
+                grad = self.full_params[i].grad
+                if grad is not None and self._unpadded(i, grad, self.shards[i].dtype):
+                    # alone and unpadded: reduce-scattered straight from the gradient, no flat copy in or out
+                    out = grad.new_empty(self.layouts[i].shard_numel)
+                    work = dist.reduce_scatter_tensor(out, grad.view(-1), group=self.group, async_op=True)
+                    in_flight.add(work, 0, functools.partial(self._accumulate_shard_grad, i, out))
+                    self.copy_free_collectives += 1
+                    continue
             rows = []
             for i in bucket:
                 grad = self.full_params[i].grad
@@ -289,19 +349,31 @@ class ZeroPartition:
                 flat = flat.to(self.comm_dtype)
             out = flat.new_empty(flat.numel() // self.world)
             if self.world > 1:
-                dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.group)
-                out = out.to(grad_dtype).div_(self.world)
+                work = dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.group, async_op=True)
+                in_flight.add(work, flat.nbytes, functools.partial(self._split_reduced, bucket, out, grad_dtype))
             else:
                 out.copy_(flat)
-            offset = 0
-            for i in bucket:
-                length = self.layouts[i].shard_numel
-                piece = out[offset : offset + length].clone()
-                shard = self.shards[i]
-                shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
-                offset += length
+                self._split_reduced(bucket, out, None)
+        in_flight.drain()
         for p in self.full_params:
             p.grad = None
+
+    def _split_reduced(self, bucket: list[int], out: torch.Tensor, grad_dtype: torch.dtype | None) -> None:
+        """A reduced bucket's pieces (averaged over the ranks when it was communicated) into the shards' grads."""
+        if grad_dtype is not None:
+            out = out.to(grad_dtype).div_(self.world)
+        offset = 0
+        for i in bucket:
+            length = self.layouts[i].shard_numel
+            piece = out[offset : offset + length]
+            self._accumulate_shard_grad(i, piece.clone() if len(bucket) > 1 else piece, divide=False)
+            offset += length
+
+    def _accumulate_shard_grad(self, i: int, piece: torch.Tensor, divide: bool = True) -> None:
+        if divide:
+            piece.div_(self.world)
+        shard = self.shards[i]
+        shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
 
     def gradient_counts(self, present: list[bool]) -> list[int]:
         """How many ranks have each parameter's gradient (an all-reduce of this rank's flags)."""
@@ -327,14 +399,32 @@ class ZeroPartition:
     def gather_full_params(self) -> None:
         """After the optimizer step: refresh every persistent full copy from the updated shards."""
         todo = [i for i, layout in enumerate(self.layouts) if layout.persistent]
+        in_flight = _InFlight()
         for bucket in self._buckets(todo):
-            flat = torch.cat([self.shards[i].detach().reshape(-1) for i in bucket])
-            out = (self._all_gather(flat) if self.allgather_partitions else self._broadcast_gather(flat)).view(self.world, -1)
-            offset = 0
-            for i in bucket:
-                layout = self.layouts[i]
-                _copy_columns_into(self.full_params[i].data, out[:, offset : offset + layout.shard_numel], layout.numel)
-                offset += layout.shard_numel
+            if self.allgather_partitions and self.world > 1 and len(bucket) == 1:
+                i = bucket[0]
+                full = self.full_params[i].data
+                if self._unpadded(i, full, self.shards[i].dtype):
+                    # alone and unpadded: gathered straight into the full copy, no flat copy in or out
+                    in_flight.add(dist.all_gather_into_tensor(full.view(-1), self.shards[i].detach().reshape(-1), group=self.group, async_op=True))
+                    self.copy_free_collectives += 1
+                    continue
+            flat = torch.cat([self.shards[i].detach().reshape(-1) for i in bucket]) if len(bucket) > 1 else self.shards[bucket[0]].detach().reshape(-1)
+            if self.allgather_partitions and self.world > 1:
+                out = flat.new_empty(flat.numel() * self.world)
+                work = dist.all_gather_into_tensor(out, flat.contiguous(), group=self.group, async_op=True)
+                in_flight.add(work, out.nbytes, functools.partial(self._copy_gathered, bucket, out))
+            else:
+                self._copy_gathered(bucket, self._all_gather(flat) if self.allgather_partitions else self._broadcast_gather(flat))
+        in_flight.drain()
+
+    def _copy_gathered(self, bucket: list[int], out: torch.Tensor) -> None:
+        out = out.view(self.world, -1)
+        offset = 0
+        for i in bucket:
+            layout = self.layouts[i]
+            _copy_columns_into(self.full_params[i].data, out[:, offset : offset + layout.shard_numel], layout.numel)
+            offset += layout.shard_numel
 
     def _all_gather(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
