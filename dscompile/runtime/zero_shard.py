@@ -73,11 +73,12 @@ class _InFlight:
     later ones are still moving, and the flat buffers in flight stay under ``OUT_OF_GRAPH_BUCKET_CAP`` bytes."""
 
     def __init__(self) -> None:
-        self._queue: collections.deque[tuple[Any, int, Callable[[], None] | None]] = collections.deque()
+        self._queue: collections.deque[tuple[Any, int, Callable[[], None] | None, tuple[torch.Tensor, ...]]] = collections.deque()
         self._bytes = 0
 
-    def add(self, work: Any, nbytes: int = 0, then: Callable[[], None] | None = None) -> None:
-        self._queue.append((work, nbytes, then))
+    def add(self, work: Any, nbytes: int = 0, then: Callable[[], None] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        """``keep``: tensors the collective reads, held here until it has finished (a freed input could be reused under it)."""
+        self._queue.append((work, nbytes, then, keep))
         self._bytes += nbytes
         while self._bytes > OUT_OF_GRAPH_BUCKET_CAP and len(self._queue) > 1:
             self._finish_oldest()
@@ -87,7 +88,7 @@ class _InFlight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        work, nbytes, then = self._queue.popleft()
+        work, nbytes, then, _ = self._queue.popleft()
         work.wait()
         self._bytes -= nbytes
         if then is not None:
@@ -335,7 +336,7 @@ class ZeroPartition:
                     # alone and unpadded: reduce-scattered straight from the gradient, no flat copy in or out
                     out = grad.new_empty(self.layouts[i].shard_numel)
                     work = dist.reduce_scatter_tensor(out, grad.view(-1), group=self.group, async_op=True)
-                    in_flight.add(work, 0, functools.partial(self._accumulate_shard_grad, i, out))
+                    in_flight.add(work, 0, functools.partial(self._accumulate_shard_grad, i, out), keep=(grad,))
                     self.copy_free_collectives += 1
                     continue
             rows = []
@@ -349,8 +350,9 @@ class ZeroPartition:
                 flat = flat.to(self.comm_dtype)
             out = flat.new_empty(flat.numel() // self.world)
             if self.world > 1:
-                work = dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.group, async_op=True)
-                in_flight.add(work, flat.nbytes, functools.partial(self._split_reduced, bucket, out, grad_dtype))
+                flat = flat.contiguous()
+                work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+                in_flight.add(work, flat.nbytes, functools.partial(self._split_reduced, bucket, out, grad_dtype), keep=(flat,))
             else:
                 out.copy_(flat)
                 self._split_reduced(bucket, out, None)
@@ -406,14 +408,16 @@ class ZeroPartition:
                 full = self.full_params[i].data
                 if self._unpadded(i, full, self.shards[i].dtype):
                     # alone and unpadded: gathered straight into the full copy, no flat copy in or out
-                    in_flight.add(dist.all_gather_into_tensor(full.view(-1), self.shards[i].detach().reshape(-1), group=self.group, async_op=True))
+                    shard = self.shards[i].detach().reshape(-1)
+                    in_flight.add(dist.all_gather_into_tensor(full.view(-1), shard, group=self.group, async_op=True), keep=(shard, full))
                     self.copy_free_collectives += 1
                     continue
             flat = torch.cat([self.shards[i].detach().reshape(-1) for i in bucket]) if len(bucket) > 1 else self.shards[bucket[0]].detach().reshape(-1)
             if self.allgather_partitions and self.world > 1:
                 out = flat.new_empty(flat.numel() * self.world)
-                work = dist.all_gather_into_tensor(out, flat.contiguous(), group=self.group, async_op=True)
-                in_flight.add(work, out.nbytes, functools.partial(self._copy_gathered, bucket, out))
+                flat = flat.contiguous()
+                work = dist.all_gather_into_tensor(out, flat, group=self.group, async_op=True)
+                in_flight.add(work, out.nbytes, functools.partial(self._copy_gathered, bucket, out), keep=(flat,))
             else:
                 self._copy_gathered(bucket, self._all_gather(flat) if self.allgather_partitions else self._broadcast_gather(flat))
         in_flight.drain()
