@@ -364,11 +364,11 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(stage: int) -> None:
 def _record_eager_reductions() -> list[torch.dtype]:
     """Dtypes of the reductions the engine runs outside graphs (ZeRO-1, plain data parallelism)."""
     found: list[torch.dtype] = []
-    for name in ("reduce_scatter_tensor", "all_reduce"):
+    for name in ("reduce_scatter_tensor", "all_to_all_single", "all_reduce"):  # ZeRO-1 on gloo: an all-to-all, summed after
         original = getattr(dist, name)
 
         def wrapped(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-            tensor = args[1] if _name == "reduce_scatter_tensor" else args[0]
+            tensor = args[0] if _name == "all_reduce" else args[1]
             if tensor.numel() > 1 and tensor.is_floating_point():  # the overflow flag and loss average are scalars, ZeRO-1's gradient counts integers
                 found.append(tensor.dtype)
             return _original(*args, **kwargs)

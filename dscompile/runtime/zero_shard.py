@@ -334,9 +334,8 @@ class ZeroPartition:
                 grad = self.full_params[i].grad
                 if grad is not None and self._unpadded(i, grad, self.shards[i].dtype):
                     # alone and unpadded: reduce-scattered straight from the gradient, no flat copy in or out
-                    out = grad.new_empty(self.layouts[i].shard_numel)
-                    work = dist.reduce_scatter_tensor(out, grad.view(-1), group=self.group, async_op=True)
-                    in_flight.add(work, 0, functools.partial(self._accumulate_shard_grad, i, out), keep=(grad,))
+                    work, nbytes, out = self._reduce_scatter_async(grad.view(-1))
+                    in_flight.add(work, nbytes, lambda i=i, out=out: self._accumulate_shard_grad(i, out()), keep=(grad,))
                     self.copy_free_collectives += 1
                     continue
             rows = []
@@ -348,17 +347,30 @@ class ZeroPartition:
             grad_dtype = flat.dtype
             if self.comm_dtype is not None and self.world > 1:
                 flat = flat.to(self.comm_dtype)
-            out = flat.new_empty(flat.numel() // self.world)
             if self.world > 1:
                 flat = flat.contiguous()
-                work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
-                in_flight.add(work, flat.nbytes, functools.partial(self._split_reduced, bucket, out, grad_dtype), keep=(flat,))
+                work, nbytes, out = self._reduce_scatter_async(flat)
+                in_flight.add(work, flat.nbytes + nbytes, lambda bucket=bucket, out=out, dt=grad_dtype: self._split_reduced(bucket, out(), dt), keep=(flat,))
             else:
-                out.copy_(flat)
-                self._split_reduced(bucket, out, None)
+                self._split_reduced(bucket, flat.clone(), None)
         in_flight.drain()
         for p in self.full_params:
             p.grad = None
+
+    def _reduce_scatter_async(self, flat: torch.Tensor) -> tuple[Any, int, Callable[[], torch.Tensor]]:
+        """Start summing ``flat`` (1-D, ``world`` equal chunks, chunk r for rank r) over the ranks; returns the work,
+        the bytes of the buffer it holds, and what gives this rank's summed chunk once the work has finished.
+
+        On gloo the chunks are exchanged with one all-to-all and summed here: gloo's reduce-scatter all-reduces the
+        whole tensor (a clone of it), twice the bytes (measured: 8M fp32 elements on 2 ranks, 43 ms against 16 ms).
+        Two ranks' sums are the same additions either way; with more ranks the order of the additions may differ."""
+        length = flat.numel() // self.world
+        if dist.get_backend(self.group) == "gloo":
+            received = torch.empty_like(flat)
+            work = dist.all_to_all_single(received, flat, group=self.group, async_op=True)
+            return work, received.nbytes, lambda: received.view(self.world, length).sum(0)
+        out = flat.new_empty(length)
+        return dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True), 0, lambda: out
 
     def _split_reduced(self, bucket: list[int], out: torch.Tensor, grad_dtype: torch.dtype | None) -> None:
         """A reduced bucket's pieces (averaged over the ranks when it was communicated) into the shards' grads."""
