@@ -388,7 +388,7 @@ def _reused_soon(graph: torch.fx.Graph, uses: list[torch.fx.Node], max_distance:
     gathers = [n for n in uses if n.target is zero_ops.GATHER and not _reads_offloaded_shard(n)]
     if max_distance <= 0 or not gathers:
         return set()
-    backward = _tangent_descendants(graph)
+    backward = joint_backward(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     events: list[tuple[int, torch.fx.Node, bool]] = []
     for gather in gathers:
@@ -439,16 +439,15 @@ def _reads_offloaded_shard(gather: torch.fx.Node) -> bool:
     return False
 
 
-def _tangent_descendants(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The joint graph's backward: every node computed from a ``tangents_*`` input."""
+def joint_backward(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The joint graph's backward: the ``tangents_*`` inputs and every node computed from them."""
     found: set[torch.fx.Node] = set()
     frontier = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     while frontier:
         node = frontier.pop()
-        for user in node.users:
-            if user not in found:
-                found.add(user)
-                frontier.append(user)
+        if node not in found:
+            found.add(node)
+            frontier.extend(node.users)
     return found
 
 

@@ -23,7 +23,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 
 from dscompile.graph import ds_meta
-from dscompile.passes.zero import is_zero_start
+from dscompile.passes.zero import is_zero_start, joint_backward
 from dscompile.pipeline import PassContext, register_pass
 from dscompile.runtime import zero_ops
 from dscompile.runtime.zero_shard import agree_on_schedule
@@ -37,22 +37,11 @@ def _param_name(node: torch.fx.Node) -> str:
     return str(ds_meta(node).get("param", node.name)) if node.op == "placeholder" else node.name
 
 
-def _reachable(starts: list[torch.fx.Node]) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set()
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.users)
-    return seen
-
-
 def joint_schedule(gm: torch.fx.GraphModule) -> tuple[list[str], str | None]:
     """Backward events of a joint graph: first backward read of each gathered parameter, each gradient reduce-scatter."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    backward = _reachable([n for n in placeholders if n.name.startswith("tangents")])
+    backward = joint_backward(graph)
     gathered = {n: _param_name(n.args[0]) for n in graph.nodes if n.op == "call_function" and n.target is zero_ops.GATHER}
     owners = _gradient_owners(graph, placeholders)
     group = next((str(n.args[-1]) for n in graph.nodes if n.op == "call_function" and n.target in (*_ZERO_OPS, zero_ops.REDUCE_SCATTER)), None)

@@ -37,8 +37,6 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-
-
 @dataclass
 class ZeroBucketingOptions:
     allgather_bucket_size: int = 500_000_000
