@@ -287,7 +287,9 @@ def _zero_rule(config: Any) -> list[Any]:
     items.append(invocation("zero_overlap", overlap_comm=bool(zc.overlap_comm), reduce_bucket_size=int(zc.reduce_bucket_size)))
     if zc.profile_steps > 0:
         items.append(invocation("zero_profile"))
-    items.append(invocation("zero_agree"))  # last: fingerprints the final schedule
+    items.append(invocation("zero_agree"))  # fingerprints the final schedule
+    if zc.profile_steps == 0:  # the profiler times gloo's own reduce-scatters
+        items.append(invocation("zero_gloo_reduce_scatter"))
     return items
 
 
@@ -571,6 +573,46 @@ def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return True
+
+
+@register_pass("zero_gloo_reduce_scatter", graphs=("backward",), requires=("zero",))
+def zero_gloo_reduce_scatter(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.GraphModule:
+    """On gloo groups, each ZeRO reduce-scatter becomes one all-to-all and a sum here, where it waits.
+
+    Gloo's reduce-scatter clones the whole input and all-reduces it: twice the bytes a reduce-scatter moves
+    (measured: 8M fp32 elements on 2 ranks, 43 ms against 16 ms for the all-to-all and the sum). The all-to-all
+    sends chunk r of the flat gradient to rank r; the chunks received are summed in rank order. Two ranks' sums
+    are the same addition either way; with more ranks the order of the additions may differ from gloo's.
+    Gloo reads the all-to-all's input after the call returns, so the wait (``zero_sum_received``) takes the
+    input as an argument: the lowering cannot reuse its buffer before then. The node keeps the reduce-scatter's ``zero`` metadata (stats count it as one)."""
+    graph = gm.graph
+    count = 0
+    for start in [n for n in graph.nodes if n.op == "call_function" and n.target is c10d.reduce_scatter_tensor.default and is_zero_start(n, "reduce_scatter")]:
+        flat, reduce_op, world, group = start.args
+        waits = [u for u in start.users if u.target is c10d.wait_tensor.default]
+        if reduce_op != "sum" or len(start.users) != 1 or len(waits) != 1 or not _is_gloo(group):
+            continue
+        [wait] = waits
+        length = node_value(flat).shape[0] // world
+        with graph.inserting_before(start):
+            exchange = new_node(graph, c10d.all_to_all_single.default, (flat, [length] * world, [length] * world, group))
+        ds_meta(exchange)["zero"] = dict(ds_meta(start)["zero"])
+        with graph.inserting_before(wait):
+            summed = new_node(graph, zero_ops.SUM_RECEIVED, (exchange, flat, world))
+        wait.replace_all_uses_with(summed)
+        graph.erase_node(wait)
+        graph.erase_node(start)
+        count += 1
+    if count:
+        gm.recompile()
+    ctx.analysis.setdefault("zero_gloo_reduce_scatter", {})[ctx.graph_name] = count
+    return gm
+
+
+def _is_gloo(group: str) -> bool:
+    import torch.distributed as dist
+
+    return bool(group) and dist.is_available() and dist.is_initialized() and dist.get_backend(zero_ops.resolve_group(group)) == "gloo"
 
 
 def _position(graph: torch.fx.Graph) -> Any:

@@ -91,6 +91,7 @@ def _collective_counts(dump: str) -> dict[str, dict[str, int]]:
             last = sorted(p for p in graph_dir.iterdir() if p.is_dir())[-1]
             summary = json.loads((last / "summary.json").read_text())
             for op, n in summary["collectives"].items():
+                op = op.replace(GLOO_REDUCE_SCATTER, "reduce_scatter_tensor")
                 total[op] = total.get(op, 0) + n
         counts[kind] = total
     return counts
@@ -125,7 +126,9 @@ def train_rank(rank: int, world: int, model: str, stage: int, gas: int, clip: fl
     return result
 
 
-_COLLECTIVE_LINE = re.compile(r'"f32\[(\d+)\]" = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.')
+_COLLECTIVE_LINE = re.compile(r'"f32\[(\d+)\]" = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_to_all_single)\.')
+GLOO_REDUCE_SCATTER = "all_to_all_single"
+"""On gloo the ZeRO reduce-scatters run as all-to-alls (``zero_gloo_reduce_scatter``): the tests count them as reduce-scatters."""
 
 
 def _collectives_in(code: Path, world: int) -> list[tuple[str, int]]:
@@ -133,6 +136,9 @@ def _collectives_in(code: Path, world: int) -> list[tuple[str, int]]:
     found = []
     for match in _COLLECTIVE_LINE.finditer(code.read_text()):
         size, kind = int(match.group(1)), match.group(2)
+        if kind == GLOO_REDUCE_SCATTER:  # its output is the full size
+            found.append(("reduce_scatter_tensor", size))
+            continue
         found.append((kind, size if kind == "all_gather_into_tensor" else size * world))
     return found
 
@@ -225,13 +231,21 @@ def test_zero_matches_single_process(tmp_path: Path, model: str, world: int, sta
         # Collectives per step after bucketing: exactly the greedy buckets of the inserted ones.
         for what, after, expected in results[0]["bucket_check"]:
             assert after == expected, (what, after, expected)
+        finals = [sorted(p for p in graph_dir.iterdir() if p.is_dir())[-1] for graph_dir in Path(dump, "rank0").glob("*.backward")]
+        raw = {op for final in finals for op in json.loads((final / "summary.json").read_text())["collectives"]}
+        # gloo: every ZeRO reduce-scatter runs as an all-to-all and a local sum (zero_gloo_reduce_scatter)
+        assert f"_c10d_functional.{GLOO_REDUCE_SCATTER}" in raw and "_c10d_functional.reduce_scatter_tensor" not in raw, raw
+        # each all-to-all is waited for (and summed) by one zero_sum_received, which keeps its input alive
+        summaries = [json.loads((final / "summary.json").read_text()) for final in finals]
+        sums = sum(n for s in summaries for op, n in s["nodes_by_op"].items() if op.endswith("zero_sum_received"))
+        assert sums == sum(s["collectives"].get(f"_c10d_functional.{GLOO_REDUCE_SCATTER}", 0) for s in summaries), sums
         fwd, bwd = results[0]["collectives"]["forward"], results[0]["collectives"]["backward"]
         gathers, scatters, waits = (
             "_c10d_functional.all_gather_into_tensor",
             "_c10d_functional.reduce_scatter_tensor",
             "_c10d_functional.wait_tensor",
         )
-        assert bwd[scatters] >= 2 and bwd[waits] == bwd[scatters] + bwd.get(gathers, 0)
+        assert bwd[scatters] >= 2 and bwd.get(waits, 0) == bwd.get(gathers, 0)  # the reduce-scatters' waits: zero_sum_received
         if stage == 3 and regather:
             # Parameters are gathered in forward, released, and gathered again where backward needs them
             # (an embedding's backward needs only the indices, so it may skip one bucket).

@@ -136,6 +136,7 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
         if node.op != "call_function" or node.target not in _GRAPH_OPS:
             continue
         name, size = _GRAPH_OPS[node.target]
+        name = node.meta.get("dscompile", {}).get("zero", {}).get("kind", name)  # ZeRO's reduce-scatter as an all-to-all on gloo
         source = node.args[0]
         value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
         nbytes = 0

@@ -104,9 +104,26 @@ def _use_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) 
 zero_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
 zero_use.register_autograd(_use_backward, setup_context=_use_setup)
 
+@torch.library.custom_op("dscompile::zero_sum_received", mutates_args=())
+def zero_sum_received(received: torch.Tensor, sent: torch.Tensor, world: int) -> torch.Tensor:
+    """Wait for an all-to-all's ``received`` chunks and sum them: this rank's reduce-scatter result.
+
+    ``sent`` (the all-to-all's input) is not read: it is an argument so that the lowering keeps its
+    buffer alive and unchanged until here. Gloo reads an all-to-all's input on its own thread after the
+    call returns; without this, Inductor may hand that buffer to a later kernel (``# reuse``) mid-send."""
+    done = torch.ops._c10d_functional.wait_tensor(received)
+    return done.view(world, -1).sum(0)
+
+
+@zero_sum_received.register_fake
+def _zero_sum_received_fake(received: torch.Tensor, sent: torch.Tensor, world: int) -> torch.Tensor:
+    return received.new_empty(received.shape[0] // world)
+
+
 GATHER = torch.ops.dscompile.zero_gather.default
 USE = torch.ops.dscompile.zero_use.default
 REDUCE_SCATTER = torch.ops.dscompile.zero_reduce_scatter.default
+SUM_RECEIVED = torch.ops.dscompile.zero_sum_received.default
 
 
 # -- ZeRO-3 parameter offload (``zero_optimization.offload_param``) ----------------------------------
