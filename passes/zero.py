@@ -288,8 +288,8 @@ def _zero_rule(config: Any) -> list[Any]:
     if zc.profile_steps > 0:
         items.append(invocation("zero_profile"))
     items.append(invocation("zero_agree"))  # fingerprints the final schedule
-    if zc.profile_steps == 0:  # the profiler times gloo's own reduce-scatters
-        items.append(invocation("zero_gloo_reduce_scatter"))
+    if zc.profile_steps == 0:  # the profiler times gloo's own collectives
+        items.append(invocation("zero_gloo"))
     return items
 
 
@@ -575,38 +575,60 @@ def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     return True
 
 
-@register_pass("zero_gloo_reduce_scatter", graphs=("backward",), requires=("zero",))
-def zero_gloo_reduce_scatter(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.GraphModule:
-    """On gloo groups, each ZeRO reduce-scatter becomes one all-to-all and a sum here, where it waits.
+@register_pass("zero_gloo", graphs=("forward", "backward"), requires=("zero",))
+def zero_gloo(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.GraphModule:
+    """On gloo groups, ZeRO's collectives move their bytes the way gloo moves them fastest (the values are the same).
 
-    Gloo's reduce-scatter clones the whole input and all-reduces it: twice the bytes a reduce-scatter moves
-    (measured: 8M fp32 elements on 2 ranks, 43 ms against 16 ms for the all-to-all and the sum). The all-to-all
-    sends chunk r of the flat gradient to rank r; the chunks received are summed in rank order. Two ranks' sums
-    are the same addition either way; with more ranks the order of the additions may differ from gloo's.
-    Gloo reads the all-to-all's input after the call returns, so the wait (``zero_sum_received``) takes the
-    input as an argument: the lowering cannot reuse its buffer before then. The node keeps the reduce-scatter's ``zero`` metadata (stats count it as one)."""
+    - Each reduce-scatter becomes one all-to-all and a sum where it waits. Gloo's reduce-scatter clones the whole
+      input and all-reduces it: twice the bytes (measured: 8M fp32 elements on 2 ranks, 43 ms against 16 ms for
+      the all-to-all and the sum). Chunk r of the flat gradient goes to rank r; the chunks received are summed in
+      rank order. Two ranks' sums are the same addition either way; with more ranks the order may differ from
+      gloo's. Gloo reads the all-to-all's input after the call returns, so the wait (``zero_sum_received``) takes
+      the input as an argument: the lowering cannot reuse its buffer before then.
+    - Each all-gather over ``GLOO_BROADCASTS_ABOVE`` elements becomes one broadcast per rank
+      (``zero_broadcast_gather``, waited by the same ``wait_tensor``): gloo's all-gather is 2-3x slower.
+    The new nodes keep the collective's ``zero`` metadata (stats count them as the reduce-scatter or all-gather)."""
     graph = gm.graph
-    count = 0
-    for start in [n for n in graph.nodes if n.op == "call_function" and n.target is c10d.reduce_scatter_tensor.default and is_zero_start(n, "reduce_scatter")]:
-        flat, reduce_op, world, group = start.args
-        waits = [u for u in start.users if u.target is c10d.wait_tensor.default]
-        if reduce_op != "sum" or len(start.users) != 1 or len(waits) != 1 or not _is_gloo(group):
-            continue
-        [wait] = waits
-        length = node_value(flat).shape[0] // world
-        with graph.inserting_before(start):
-            exchange = new_node(graph, c10d.all_to_all_single.default, (flat, [length] * world, [length] * world, group))
-        ds_meta(exchange)["zero"] = dict(ds_meta(start)["zero"])
-        with graph.inserting_before(wait):
-            summed = new_node(graph, zero_ops.SUM_RECEIVED, (exchange, flat, world))
-        wait.replace_all_uses_with(summed)
-        graph.erase_node(wait)
-        graph.erase_node(start)
-        count += 1
-    if count:
+    counts = {"reduce_scatter": 0, "all_gather": 0}
+    for start in [n for n in graph.nodes if n.op == "call_function" and is_zero_start(n)]:
+        if start.target is c10d.reduce_scatter_tensor.default:
+            counts["reduce_scatter"] += _reduce_scatter_as_all_to_all(graph, start)
+        elif start.target is c10d.all_gather_into_tensor.default:
+            counts["all_gather"] += _all_gather_as_broadcasts(graph, start)
+    if any(counts.values()):
         gm.recompile()
-    ctx.analysis.setdefault("zero_gloo_reduce_scatter", {})[ctx.graph_name] = count
+    ctx.analysis.setdefault("zero_gloo", {})[ctx.graph_name] = counts
     return gm
+
+
+def _reduce_scatter_as_all_to_all(graph: torch.fx.Graph, start: torch.fx.Node) -> int:
+    flat, reduce_op, world, group = start.args
+    waits = [u for u in start.users if u.target is c10d.wait_tensor.default]
+    if reduce_op != "sum" or len(start.users) != 1 or len(waits) != 1 or not _is_gloo(group):
+        return 0
+    [wait] = waits
+    length = node_value(flat).shape[0] // world
+    with graph.inserting_before(start):
+        exchange = new_node(graph, c10d.all_to_all_single.default, (flat, [length] * world, [length] * world, group))
+    ds_meta(exchange)["zero"] = dict(ds_meta(start)["zero"])
+    with graph.inserting_before(wait):
+        summed = new_node(graph, zero_ops.SUM_RECEIVED, (exchange, flat, world))
+    wait.replace_all_uses_with(summed)
+    graph.erase_node(wait)
+    graph.erase_node(start)
+    return 1
+
+
+def _all_gather_as_broadcasts(graph: torch.fx.Graph, start: torch.fx.Node) -> int:
+    flat, world, group = start.args
+    if node_value(flat).numel() * world <= zero_ops.GLOO_BROADCASTS_ABOVE or not _is_gloo(group):
+        return 0
+    with graph.inserting_before(start):
+        gather = new_node(graph, zero_ops.BROADCAST_GATHER, (flat, world, group))
+    ds_meta(gather)["zero"] = dict(ds_meta(start)["zero"])
+    start.replace_all_uses_with(gather)
+    graph.erase_node(start)
+    return 1
 
 
 def _is_gloo(group: str) -> bool:

@@ -118,7 +118,7 @@ def _record_collectives() -> list[tuple[str, str, torch.dtype, int]]:
         if ctx.graph_kind in ("forward", "backward"):
             for node in gm.graph.nodes:
                 name = getattr(node.target, "_opname", None) if node.op == "call_function" else None
-                name = SCATTER if name == "all_to_all_single" else name  # a ZeRO reduce-scatter on gloo (zero_gloo_reduce_scatter)
+                name = SCATTER if name == "all_to_all_single" else name  # a ZeRO reduce-scatter on gloo (zero_gloo)
                 if name in (GATHER, SCATTER) and node.target.namespace == "_c10d_functional":
                     value = node_value(node.args[0])
                     found.append((ctx.graph_kind, name, value.dtype, value.numel()))

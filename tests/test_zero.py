@@ -132,7 +132,7 @@ def train_rank(rank: int, world: int, model: str, stage: int, gas: int, clip: fl
 
 _COLLECTIVE_LINE = re.compile(r'"f32\[(\d+)\]" = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_to_all_single)\.')
 GLOO_REDUCE_SCATTER = "all_to_all_single"
-"""On gloo the ZeRO reduce-scatters run as all-to-alls (``zero_gloo_reduce_scatter``): the tests count them as reduce-scatters."""
+"""On gloo the ZeRO reduce-scatters run as all-to-alls (``zero_gloo``): the tests count them as reduce-scatters."""
 
 
 def _collectives_in(code: Path, world: int) -> list[tuple[str, int]]:
@@ -237,7 +237,7 @@ def test_zero_matches_single_process(tmp_path: Path, model: str, world: int, sta
             assert after == expected, (what, after, expected)
         finals = [sorted(p for p in graph_dir.iterdir() if p.is_dir())[-1] for graph_dir in Path(dump, "rank0").glob("*.backward")]
         raw = {op for final in finals for op in json.loads((final / "summary.json").read_text())["collectives"]}
-        # gloo: every ZeRO reduce-scatter runs as an all-to-all and a local sum (zero_gloo_reduce_scatter)
+        # gloo: every ZeRO reduce-scatter runs as an all-to-all and a local sum (zero_gloo)
         assert f"_c10d_functional.{GLOO_REDUCE_SCATTER}" in raw and "_c10d_functional.reduce_scatter_tensor" not in raw, raw
         # each all-to-all is waited for (and summed) by one zero_sum_received, which keeps its input alive
         summaries = [json.loads((final / "summary.json").read_text()) for final in finals]

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from dscompile.runtime import zero_ops
+
 
 @dataclass
 class CommCounter:
@@ -126,6 +128,7 @@ _GRAPH_OPS: dict[Any, tuple[str, Callable[[torch.Tensor, tuple], int]]] = {
     _c10d.all_reduce.default: ("all_reduce", lambda t, args: tensor_bytes(t)),
     _c10d.all_to_all_single.default: ("all_to_all", lambda t, args: tensor_bytes(t)),
     _c10d.broadcast.default: ("broadcast", lambda t, args: tensor_bytes(t)),
+    zero_ops.BROADCAST_GATHER: ("all_gather", lambda t, args: tensor_bytes(t) * int(args[1])),  # gloo's big ZeRO gathers
 }
 
 
@@ -136,7 +139,7 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
         if node.op != "call_function" or node.target not in _GRAPH_OPS:
             continue
         name, size = _GRAPH_OPS[node.target]
-        name = node.meta.get("dscompile", {}).get("zero", {}).get("kind", name)  # ZeRO's reduce-scatter as an all-to-all on gloo
+        name = node.meta.get("dscompile", {}).get("zero", {}).get("kind", name)  # ZeRO's collectives as gloo moves them (zero_gloo)
         source = node.args[0]
         value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
         nbytes = 0

@@ -30,6 +30,7 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError, DSCompileError
 from dscompile.runtime import zero_ops
 from dscompile.runtime.devices import collective_device
+from dscompile.runtime.zero_ops import GLOO_BROADCASTS_ABOVE, broadcast_gather_async
 
 log = logging.getLogger("dscompile.zero")
 
@@ -40,13 +41,6 @@ bytes in flight at once."""
 CPU_ALONE_ABOVE = 1 << 16
 """Elements above which a collective on CPU tensors is not bucketed (its copies would cost more than its latency):
 the graph passes' rule (``passes/zero_bucketing.py``) and the out-of-graph collectives' alike."""
-
-GLOO_BROADCASTS_ABOVE = 1 << 18
-"""Elements of an all-gather's output above which, on gloo, it runs as one broadcast per rank: gloo's all-gather
-costs two to three times as much for the same bytes (measured on this project's CPU machine, 2 ranks: 8M fp32
-elements 32.5 ms against 15.3 ms, 256Ki 0.97 against 0.45 ms; 4 ranks: 8M 60.7 against 23.4 ms; 64Ki elements
-favour the all-gather, 0.29 against 0.43 ms)."""
-
 
 @dataclass
 class ParamLayout:
@@ -472,13 +466,7 @@ class ZeroPartition:
         On gloo a gather over ``GLOO_BROADCASTS_ABOVE`` elements runs as one broadcast per rank, each rank's piece
         from its owner (the values are the same; gloo's all-gather is the slower way to move these bytes)."""
         if out.numel() > GLOO_BROADCASTS_ABOVE and dist.get_backend(self.group) == "gloo":
-            pieces = out.view(self.world, -1)
-            pieces[self.rank].copy_(flat)
-            works = []
-            for r, piece in enumerate(pieces):
-                src = dist.get_global_rank(self.group, r) if self.group is not None else r
-                works.append(dist.broadcast(piece, src=src, group=self.group, async_op=True))
-            return _AllOf(works)
+            return _AllOf(broadcast_gather_async(out, flat, self.group if self.group is not None else dist.group.WORLD))
         return dist.all_gather_into_tensor(out, flat, group=self.group, async_op=True)
 
     def _broadcast_gather(self, flat: torch.Tensor) -> torch.Tensor:
