@@ -583,8 +583,9 @@ def zero_gloo(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torc
       input and all-reduces it: twice the bytes (measured: 8M fp32 elements on 2 ranks, 43 ms against 16 ms for
       the all-to-all and the sum). Chunk r of the flat gradient goes to rank r; the chunks received are summed in
       rank order. Two ranks' sums are the same addition either way; with more ranks the order may differ from
-      gloo's. Gloo reads the all-to-all's input after the call returns, so the wait (``zero_sum_received``) takes
-      the input as an argument: the lowering cannot reuse its buffer before then.
+      gloo's. Gloo reads the all-to-all's input after the call returns, so the wait (``zero_sum_received``,
+      which stands in for ``wait_tensor``) takes the input as an argument: the lowering cannot reuse its buffer
+      before then.
     - Each all-gather over ``GLOO_BROADCASTS_ABOVE`` elements becomes one broadcast per rank
       (``zero_broadcast_gather``, waited by the same ``wait_tensor``): gloo's all-gather is 2-3x slower.
     The new nodes keep the collective's ``zero`` metadata (stats count them as the reduce-scatter or all-gather)."""

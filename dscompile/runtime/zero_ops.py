@@ -142,7 +142,8 @@ def zero_sum_received(received: torch.Tensor, sent: torch.Tensor, world: int) ->
 
     ``sent`` (the all-to-all's input) is not read: it is an argument so that the lowering keeps its
     buffer alive and unchanged until here. Gloo reads an all-to-all's input on its own thread after the
-    call returns; without this, Inductor may hand that buffer to a later kernel (``# reuse``) mid-send."""
+    call returns; Inductor keeps a collective's input alive until its ``wait_tensor`` (the wait's
+    "volatile reads"), and this op stands in for that wait, so it takes the input itself."""
     done = torch.ops._c10d_functional.wait_tensor(received)
     return done.view(world, -1).sum(0)
 

@@ -42,6 +42,7 @@ CPU_ALONE_ABOVE = 1 << 16
 """Elements above which a collective on CPU tensors is not bucketed (its copies would cost more than its latency):
 the graph passes' rule (``passes/zero_bucketing.py``) and the out-of-graph collectives' alike."""
 
+
 @dataclass
 class ParamLayout:
     """Where one (deduplicated) parameter lives: its full shape and its shard."""
