@@ -156,9 +156,55 @@ elements on 2 ranks, 42.8 ms, against 43.4 ms for an all-reduce and 15.9 ms for 
 (median of 5). ZeRO-1's out-of-graph reduce-scatter now uses the all-to-all on gloo (``ZeroPartition._reduce_scatter_async``).
 HF GPT-2, ZeRO-1 against DeepSpeed ZeRO-1, two runs of 2 alternated rounds: 653, 588, 644 and 652 ms/step against
 910, 915, 905 and 933 ms; per-round ratios 0.72, 0.64, 0.71 and 0.70x.
-The same swap inside the ZeRO-2/3 graphs is not safe: gloo reads an all-to-all's input on its own thread after the
-call returns, and Inductor may hand that buffer to a later kernel before the wait. One rank died with SIGSEGV in the
-one benchmark run that tried it. Gloo's reduce-scatter clones its input when it is called, so it has no such race.
+A first swap inside the ZeRO-2/3 graphs (reverted in 34a86a3) had one rank die with SIGSEGV in one benchmark run;
+the cause was not pinned down. Gloo reads an all-to-all's input on its own thread after the call returns.
+
+2026-12-05, later: gloo's collectives, measured and chosen (``passes/zero.py::zero_gloo``, ``runtime/zero_shard.py``)
+----------------------------------------------------------------------------------------------------------------
+- Reduce-scatters in the ZeRO-2/3 graphs are one all-to-all each, waited and summed by ``dscompile::zero_sum_received``,
+  which takes the all-to-all's input as an argument so the lowering keeps that buffer until gloo has sent it.
+  No rank has died in any of the 20-odd benchmark runs since (ZeRO-2 and ZeRO-3, both models).
+- Gloo's all-gather is two to three times slower than one broadcast per rank moving the same bytes (8M fp32
+  elements: 32.5 against 15.3 ms on 2 ranks, 60.7 against 23.4 ms on 4; 256Ki: 0.97 against 0.45 ms; 64Ki: 0.29
+  against 0.43 ms, so small ones stay all-gathers). Every all-gather over 256Ki elements on gloo now runs as one
+  broadcast per rank: ZeRO-1/2's post-step refresh (outside the graphs) and ZeRO-3's gathers in the graphs
+  (``dscompile::zero_broadcast_gather``, its broadcasts registered as one work for ``wait_tensor``).
+- Where ZeRO-2's time went before the refresh change (HF GPT-2, rank 0, one profiled step of 613 ms): backward to
+  ~508 ms, with its all-to-alls overlapping it except the tied embedding's (8.4M elements, final only at the end of
+  backward: a 28 ms wait), the step ~20 ms, then the refresh's 35 all-gathers ~85 ms. ``mm``/``addmm``: 346 ms.
+  ZeRO-1 (729 ms profiled): the reduce after backward ~125 ms, the refresh ~95 ms.
+
+Measured on 2026-12-05 after both changes, quiet machine except where noted, world 2 gloo, peers alternated,
+median of per-round ratios [min-max], losses equal across the peers to 3-4 digits:
+
+    HF GPT-2 (21.1M), 3 rounds               ms/step  spread  vs DeepSpeed same stage  vs FSDP2 eager  peak MiB
+    dscompile-z3                                688     4%     0.64x [0.64-0.66]       0.75x [0.74-0.78]    545
+    fsdp2 (eager)                               917     0%     -                       1.00x                781
+    deepspeed-z3                               1074     1%     -                       1.17x [1.16-1.18]    876
+    dscompile-z1                                673     6%     0.70x [0.68-0.71]       -                    590
+    deepspeed-z1                                942     9%     -                       -                    682
+    dscompile-z2                                630     7%     0.65x [0.52-0.69]       -                    616
+    deepspeed-z2                               1016    30%     -                       -                    676
+
+    HF GPT-2, ZeRO-1/2 only, 2 rounds (after the refresh change, before ZeRO-3's in-graph broadcasts, which
+    ZeRO-1/2 do not use): dscompile-z2 610 ms 0.66x [0.65-0.68], dscompile-z1 629 ms 0.67x [0.67-0.67];
+    DeepSpeed 920 and 937 ms; spreads 0-3%.
+
+    55M GPT, 3 rounds                        ms/step  spread  vs DeepSpeed same stage  vs FSDP2 eager  peak MiB
+    dscompile-z3                               1543    28%     0.58x [0.55-0.62]       0.71x [0.70-0.75]    940
+    fsdp2 (eager)                              2179    34%     -                       1.00x               1513
+    deepspeed-z3                               2823    18%     -                       1.29x [1.13-1.30]   1795
+    dscompile-z2                               1524     5%     0.67x [0.66-0.67]       -                   1167
+    deepspeed-z2                               2262     4%     -                       -                   1310
+    dscompile-z1                               1477    15%     0.69x [0.67-0.71]       -                   1152
+    deepspeed-z1                               2135     9%     -                       -                   1310
+
+The 55M ZeRO-3 rows' spreads come from a first round that ran slower for every peer (the host, not a peer:
+1959/2799/3154 ms, then 1535-1543 for dscompile); rounds 2 and 3 agree within 1%. Two other full runs of all seven
+peers on HF GPT-2 were spoiled by outside load (every peer 20-60% slower in some rounds, spreads 20-64%); their
+medians were ZeRO-1 0.69x, ZeRO-2 0.63x and 0.68x, ZeRO-3 0.65x and 0.68x DeepSpeed's.
+ZeRO-1 is the closest to its target: 0.67-0.70x in every run. What is left there: its reduce-scatter runs after
+backward (outside the graphs), where ZeRO-2's overlaps backward.
 """
 
 from __future__ import annotations
