@@ -14,7 +14,8 @@ from torch import nn
 from dscompile.graph import ds_meta
 from dscompile.passes.zero_bucketing import CPU_ALONE_ABOVE, _buckets
 from dscompile.runtime.zero_extension import shard_optimizer
-from dscompile.runtime.zero_shard import GLOO_BROADCASTS_ABOVE, ZeroPartition
+from dscompile.runtime.zero_ops import GLOO_BROADCASTS_ABOVE
+from dscompile.runtime.zero_shard import ZeroPartition
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
 
