@@ -216,3 +216,27 @@ def test_zero3_big_gathers_in_the_graphs_run_as_broadcasts_on_gloo(tmp_path: Any
             torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=5e-5)  # summation order, scaled by Adam where v is tiny
     mean_losses = [sum(r["losses"][s] for r in results) / 2 for s in range(2)]
     assert mean_losses == pytest.approx(losses, rel=1e-5)
+
+
+class _DoneWork(dist.Work):
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _FailedWork(dist.Work):
+    def wait(self, timeout: Any = None) -> bool:
+        raise RuntimeError("peer gone")
+
+
+def test_a_failed_broadcast_raises_at_the_graphs_wait() -> None:
+    """``zero_broadcast_gather`` registers its broadcasts as one ``AllOf`` work: ``wait_tensor`` on the result
+    waits for each, so one that failed (a dead rank) raises there instead of leaving the gathered tensor half-written."""
+    from dscompile.runtime.zero_ops import AllOf
+
+    done = torch.empty(4)
+    torch._C._distributed_c10d._register_work(done, AllOf([_DoneWork(), _DoneWork()]))
+    torch.ops._c10d_functional.wait_tensor(done)
+    failed = torch.empty(4)
+    torch._C._distributed_c10d._register_work(failed, AllOf([_DoneWork(), _FailedWork()]))
+    with pytest.raises(RuntimeError, match="peer gone"):
+        torch.ops._c10d_functional.wait_tensor(failed)

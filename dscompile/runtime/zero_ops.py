@@ -21,6 +21,8 @@ parameter, so the ops copy instead of communicating (ZeRO in one process without
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -111,13 +113,29 @@ elements 32.5 ms against 15.3 ms, 256Ki 0.97 against 0.45 ms; 4 ranks: 8M 60.7 a
 favour the all-gather, 0.29 against 0.43 ms)."""
 
 
-def broadcast_gather_async(out: torch.Tensor, flat: torch.Tensor, pg: dist.ProcessGroup) -> list[dist.Work]:
+class AllOf(dist.Work):
+    """Several asynchronous works waited for as one (a ``Work``, so ``wait_tensor`` can wait for it too).
+
+    Each work's own ``wait`` runs, so a failed one raises here; a ``Work`` made from ``collect_all``'s future
+    would not (that future completes even when one of its futures failed)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def broadcast_gather_async(out: torch.Tensor, flat: torch.Tensor, pg: dist.ProcessGroup) -> AllOf:
     """Start gathering every rank's ``flat`` into ``out`` (1-D, rank r's at ``[r*len, (r+1)*len)``) with one
     broadcast per rank, each from the piece's owner. ``flat`` is copied into ``out`` here: it is not read later."""
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     pieces = out.view(world, -1)
     pieces[rank].copy_(flat)
-    return [dist.broadcast(piece, src=dist.get_global_rank(pg, r), group=pg, async_op=True) for r, piece in enumerate(pieces)]
+    return AllOf([dist.broadcast(piece, src=dist.get_global_rank(pg, r), group=pg, async_op=True) for r, piece in enumerate(pieces)])
 
 
 @torch.library.custom_op("dscompile::zero_broadcast_gather", mutates_args=())
@@ -125,9 +143,7 @@ def zero_broadcast_gather(flat: torch.Tensor, world: int, group: str) -> torch.T
     """``_c10d_functional.all_gather_into_tensor`` on gloo as one broadcast per rank (``GLOO_BROADCASTS_ABOVE``):
     returns at once, and ``_c10d_functional.wait_tensor`` on the result waits for every broadcast."""
     out = flat.new_empty(flat.numel() * world)
-    works = broadcast_gather_async(out, flat, resolve_group(group))
-    done = torch.futures.collect_all([work.get_future() for work in works])
-    torch._C._distributed_c10d._register_work(out, torch._C._distributed_c10d._create_work_from_future(done))
+    torch._C._distributed_c10d._register_work(out, broadcast_gather_async(out, flat, resolve_group(group)))
     return out
 
 

@@ -69,17 +69,6 @@ class ParamLayout:
         }
 
 
-class _AllOf:
-    """Several asynchronous works waited for as one."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
 class _InFlight:
     """Asynchronous collectives outside the graphs, finished in issue order: each one's copy-out runs while the
     later ones are still moving, and the flat buffers in flight stay under ``OUT_OF_GRAPH_BUCKET_CAP`` bytes."""
@@ -467,7 +456,7 @@ class ZeroPartition:
         On gloo a gather over ``GLOO_BROADCASTS_ABOVE`` elements runs as one broadcast per rank, each rank's piece
         from its owner (the values are the same; gloo's all-gather is the slower way to move these bytes)."""
         if out.numel() > GLOO_BROADCASTS_ABOVE and dist.get_backend(self.group) == "gloo":
-            return _AllOf(broadcast_gather_async(out, flat, self.group if self.group is not None else dist.group.WORLD))
+            return broadcast_gather_async(out, flat, self.group if self.group is not None else dist.group.WORLD)
         return dist.all_gather_into_tensor(out, flat, group=self.group, async_op=True)
 
     def _broadcast_gather(self, flat: torch.Tensor) -> torch.Tensor:
