@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 # DeepSpeed's public names, so that `import dscompile as deepspeed` keeps a script working
-from dscompile import accelerator, checkpointing, comm, module_inject, moe, pipe, sequence, utils, zero  # noqa: E402, I001
+from dscompile import accelerator, checkpointing, comm, deepspeed_paths, module_inject, moe, ops, pipe, sequence, utils, zero  # noqa: E402, I001
 from dscompile.accelerator import get_accelerator  # noqa: E402
 from dscompile.arguments import add_config_arguments  # noqa: E402
 from dscompile.autotp import tp_model_init  # noqa: E402
@@ -26,10 +26,16 @@ from dscompile.inference import InferenceEngine, init_inference
 from dscompile.pipe import PipelineModule  # noqa: E402
 from dscompile.runtime.pipeline_engine import PipelineEngine  # noqa: E402
 from dscompile.runtime.pipeline_markers import pipeline_split
+from dscompile.utils import OnDevice, log_dist, logger
+
+deepspeed_paths.install_finder()  # DeepSpeed modules dscompile refuses fail with the reason, not "No module named"
+DeepSpeedEngine = DSCompileEngine  # DeepSpeed's name, for isinstance checks in scripts
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeepSpeedEngine",
+    "OnDevice",
     "PipelineEngine",
     "PipelineModule",
     "accelerator",
@@ -57,5 +63,12 @@ __all__ = [
     "init_inference",
     "InferenceEngine",
     "load_config",
+    "log_dist",
+    "logger",
+    "ops",
     "pipeline_split",
 ]
+
+
+def __getattr__(name: str) -> object:
+    raise deepspeed_paths.refused_name(__name__, name)

@@ -122,11 +122,6 @@ _switched_section(
         "has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern", "expert_activation",
     ),
 )  # fmt: skip
-_switched_section(
-    "torch_autocast",
-    "torch.autocast as the precision mechanism (use bf16/fp16: the graph casts)",
-    ("dtype", "lower_precision_safe_modules"),
-)
 
 
 # -- sections checked value by value ------------------------------------------------------------
@@ -173,6 +168,41 @@ def _check_data_types(path: str, section: Mapping[str, Any]) -> None:
     _refuse_when(f"{path}.param_dtype", section.get("param_dtype") is not None, "choosing the parameters' dtype apart from bf16/fp16")
     _refuse_when(f"{path}.buffer_dtype", section.get("buffer_dtype") is not None, "choosing the buffers' dtype")
     _refuse_when(f"{path}.keep_in_fp32_modules", section.get("keep_in_fp32_modules", "auto") != "auto", "listing modules kept in fp32")
+
+
+_AUTOCAST_DTYPES = {
+    "bf16": ("torch.bfloat16", "bf16", "bfloat16", "bfloat"),
+    "fp16": ("torch.float16", "fp16", "float16", "half"),
+}
+"""DeepSpeed's ``DtypeEnum`` spellings of the two autocast dtypes."""
+
+
+def _check_torch_autocast(path: str, section: Mapping[str, Any]) -> None:
+    """``torch_autocast``: with the bf16/fp16 section on (checked by passes/mixed_precision.py), the ``amp`` pass is
+    torch.autocast's cast policy; here only the values."""
+    if not isinstance(section.get("enabled", False), bool):
+        raise DSCompileConfigError(f"{path}.enabled", f"expected true or false, got {section['enabled']!r}")
+    dtype = section.get("dtype")
+    if dtype is not None and not any(str(dtype) in names for names in _AUTOCAST_DTYPES.values()):
+        raise DSCompileConfigError(f"{path}.dtype", f"{dtype!r} is not an autocast dtype", "use torch.bfloat16 or torch.float16")
+    _refuse_when(
+        f"{path}.lower_precision_safe_modules",
+        section.get("lower_precision_safe_modules") is not None,
+        "choosing which modules' gradients are reduced in the autocast dtype",
+    )
+
+
+def autocast_precision(section: Mapping[str, Any] | None) -> str | None:
+    """``"bf16"``/``"fp16"`` when ``torch_autocast`` is enabled (its dtype, or None when not given), else None."""
+    if not section or not section.get("enabled", False):
+        return None
+    dtype = section.get("dtype")
+    return next((name for name, spellings in _AUTOCAST_DTYPES.items() if str(dtype) in spellings), "default")
+
+
+_checked_section(
+    "torch_autocast", "torch.autocast (the amp pass's policy, with bf16/fp16 on)", ("enabled", "dtype", "lower_precision_safe_modules"), _check_torch_autocast
+)
 
 
 _checked_section("data_types", "mixed-precision data types", ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"), _check_data_types)

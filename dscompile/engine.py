@@ -31,7 +31,15 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
-from dscompile.runtime.engine_core import LATEST, MODEL_STATES, EngineCore, _agree_any, params_or_error, register_engine_extension
+from dscompile.runtime.engine_core import (
+    LATEST,
+    MODEL_STATES,
+    EngineCore,
+    _agree_any,
+    params_or_error,
+    register_engine_extension,
+    wrapped_module_attribute,
+)
 from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.process_exit import init_process_group
@@ -135,6 +143,13 @@ class DSCompileEngine(nn.Module, EngineCore):
         """Compile the model again under ``config`` (an extension re-planned, e.g. ZeRO profiling)."""
         self._compiled = self._compile(self.compile_target, config)
 
+    def __getattr__(self, name: str) -> Any:
+        """nn.Module's (parameters, buffers, submodules), then the wrapped model's, as DeepSpeed's engine."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return wrapped_module_attribute(self, name)
+
     @property
     def zero_module(self) -> ZeroModule | None:
         """ZeRO-2/3's module over the shards (what is compiled), else None."""
@@ -143,6 +158,7 @@ class DSCompileEngine(nn.Module, EngineCore):
     # -- forward / backward / step -------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.check_states_resident("engine forward")
+        self.tput_timer.start()
         self._hook("before_forward")
         with self.phase("forward"), self.gradients.failure_context(self.global_rank, "forward"):
             out = run_agreeing(self._compiled, self.zero_module, args, kwargs)  # ranks whose ZeRO graphs differ: fall back
@@ -175,6 +191,7 @@ class DSCompileEngine(nn.Module, EngineCore):
                 self.optimizer_step()
         if boundary:
             self.end_optimizer_step(speak=self.global_rank == 0)
+        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:

@@ -45,3 +45,19 @@ def suggest(word: str, candidates: Iterable[str]) -> str | None:
     """Return a 'did you mean' hint for a misspelt key, or None when nothing is close."""
     matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"did you mean '{matches[0]}'?" if matches else None
+
+
+class DSCompileImportError(DSCompileError, ModuleNotFoundError):
+    """A DeepSpeed import path (module or name) that dscompile refuses: the message says which and why.
+
+    An ``ImportError`` (a ``ModuleNotFoundError``), so a script's ``try: from deepspeed.x import y / except ImportError``
+    fallback still takes its other branch.
+    """
+
+    def __init__(self, path: str, reason: str, fix: str | None = None) -> None:
+        self.path = path
+        self.reason = reason
+        message = f"DeepSpeed's '{path}' is not provided by dscompile: {reason}"
+        if fix:
+            message += f" ({fix})"
+        ModuleNotFoundError.__init__(self, message, name=path)

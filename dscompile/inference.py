@@ -17,12 +17,15 @@ each rank's split graph, and the layers are packed at the first split, each rank
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from dscompile.comm import init_distributed
 from dscompile.errors import DSCompileConfigError
 from dscompile.frontend import dscompile_backend
 from dscompile.passes.inference_tensor_parallel import TensorParallelForward, TensorParallelGraphs, TensorParallelStep
@@ -73,7 +76,8 @@ class InferenceEngine(nn.Module):
 
     def __init__(self, model: nn.Module, config: InferenceConfig) -> None:
         super().__init__()
-        self.config = config
+        self._config = config  # DeepSpeed's names: ``_config`` the inference settings, ``config`` the model's own
+        self.config = getattr(model, "config", None)
         model.eval()
         model.to(config.dtype)
         self.quantized_layers: dict[str, int] = {}
@@ -91,6 +95,8 @@ class InferenceEngine(nn.Module):
             self.options["dump"] = config.dump
         self.tensor_parallel: TensorParallelGraphs | None = None
         if tp_size > 1:  # collective: every rank of the world builds its engine together
+            if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+                init_distributed()  # as DeepSpeed's engine: the process group from torchrun's environment
             quant = None if bits is None else (bits, weight.q_groups, weight.q_type == "symmetric", weight.quantize_embeddings)
             self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant)
             self.quantized_layers = self.tensor_parallel.quantized_layers  # filled when the first graph splits the model
@@ -121,7 +127,7 @@ class InferenceEngine(nn.Module):
         if self._generator is None:
             if not hasattr(self.module, "generation_config") or not hasattr(self.module, "config"):
                 raise TypeError(f"generate needs a Hugging Face causal language model; {type(self.module).__name__} has no generation_config")
-            config = self.config
+            config = self._config
             if self.tensor_parallel is not None:
                 generator = StaticCacheGenerator(self.module, config.max_out_tokens, config.min_out_tokens, None, None, self.tensor_parallel.tp_size)  # type: ignore[arg-type]
                 generator.prefill = TensorParallelStep(self.tensor_parallel, "prefill", generator.full_attention_config())

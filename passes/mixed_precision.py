@@ -61,13 +61,14 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from dscompile.config import parse_dataclass, register_section, unbuilt
+from dscompile.config import parse_dataclass, register_section
+from dscompile.deepspeed_config import autocast_precision
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, fake_mode_of, node_value, set_fake_value, tensor_values
 from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
 from dscompile.runtime import zero_ops
 from dscompile.runtime.engine_core import register_engine_extension
-from dscompile.runtime.loss_scaler import MixedPrecision
+from dscompile.runtime.loss_scaler import LowPrecisionMasters, MixedPrecision
 
 log = logging.getLogger("dscompile.passes.amp")
 
@@ -121,14 +122,28 @@ class FP16Config:
 class BF16Config:
     """``bf16``: bf16 needs no loss scaling. ``check_grad_overflow`` (DeepSpeed's default, on)
     skips a step whose gradients hold inf/NaN on any rank; ``immediate_grad_update`` only picks
-    when DeepSpeed's bf16 optimizer copies gradients (the maths is the same); bf16 master weights
-    and optimizer states are not built (master weights stay fp32)."""
+    when DeepSpeed's bf16 optimizer copies gradients (the maths is the same).
+    ``bf16_master_weights_and_grads`` with ``bf16_optimizer_states`` (ZeRO 1-3, as in DeepSpeed) keeps
+    the master weights, gradients and optimizer states in bf16 (``LowPrecisionMasters``); bf16 masters
+    with fp32 optimizer states (DeepSpeed: ZeRO-Offload's CPU Adam only) are not built."""
 
     enabled: bool = False
     immediate_grad_update: bool = False
     check_grad_overflow: bool = True
-    bf16_master_weights_and_grads: bool = unbuilt(False, "bf16 master weights and gradients (master weights stay fp32)")
-    bf16_optimizer_states: bool = unbuilt(False, "bf16 optimizer states")
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+    def validate(self, path: str) -> None:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise DSCompileConfigError(
+                f"{path}.bf16_optimizer_states", "needs bf16_master_weights_and_grads (as in DeepSpeed)", "set bf16_master_weights_and_grads to true"
+            )
+        if self.bf16_master_weights_and_grads and not self.bf16_optimizer_states:
+            raise DSCompileNotSupportedError(
+                f"{path}.bf16_master_weights_and_grads",
+                "bf16 master weights with fp32 optimizer states (DeepSpeed's ZeRO-Offload CPU Adam)",
+                "also set bf16_optimizer_states to true (bf16 moments), or drop bf16_master_weights_and_grads",
+            )
 
 
 register_section("fp16", lambda value, path: parse_dataclass(FP16Config, value, path), "fp16 mixed precision")
@@ -147,7 +162,23 @@ def precision_of(config: Any) -> str | None:
             "cannot be combined with fp16.enabled: choose one low precision",
             "set fp16.enabled or bf16.enabled to false",
         )
-    return "fp16" if fp16_on else "bf16" if bf16_on else None
+    precision = "fp16" if fp16_on else "bf16" if bf16_on else None
+    _check_torch_autocast(config, precision)
+    return precision
+
+
+def _check_torch_autocast(config: Any, precision: str | None) -> None:
+    """DeepSpeed's ``torch_autocast`` beside ``bf16``/``fp16`` runs the 16-bit module under torch.autocast; the ``amp`` pass
+    is autocast's cast policy, so that is what dscompile runs anyway. Alone (an fp32 module under autocast) it is refused."""
+    autocast = autocast_precision(config.sections.get("torch_autocast"))
+    if autocast is None:
+        return
+    if precision is None:
+        raise DSCompileNotSupportedError(
+            "torch_autocast.enabled", "torch.autocast without the bf16/fp16 section", "enable bf16 (or fp16) instead: the graph casts"
+        )
+    if autocast not in ("default", precision):
+        raise DSCompileConfigError("torch_autocast.dtype", f"is {autocast} while {precision} is enabled", f"use the {precision} dtype or drop the key")
 
 
 def _parse_communication_data_type(value: Any, path: str) -> str | None:
@@ -189,6 +220,22 @@ def _mixed_precision_rule(config: Any) -> list[PassInvocation]:
     return items
 
 
+def _bf16_masters(config: Any) -> bool:
+    """Whether ``bf16.bf16_master_weights_and_grads`` is on; it needs ZeRO 1-3, as DeepSpeed asserts."""
+    bf16 = config.sections.get("bf16")
+    if not (bf16 is not None and bf16.enabled and bf16.bf16_master_weights_and_grads):
+        return False
+    if _zero_stage(config) == 0:
+        raise DSCompileConfigError("bf16.bf16_master_weights_and_grads", "needs ZeRO stage 1, 2 or 3 (as in DeepSpeed)", "set zero_optimization.stage")
+    return True
+
+
+# Order 9: before ZeRO (10) partitions the parameters, so that its shards are the bf16 masters.
+@register_engine_extension(9, "low_precision_masters")
+def _low_precision_masters_extension(config: Any) -> LowPrecisionMasters | None:
+    return LowPrecisionMasters(torch.bfloat16) if _bf16_masters(config) else None
+
+
 @register_engine_extension(40, "mixed_precision")
 def _mixed_precision_extension(config: Any) -> MixedPrecision | None:
     """Every engine: fp16 gets DeepSpeed's loss scaler, bf16 a scale of 1 that skips steps with inf/NaN
@@ -211,6 +258,7 @@ def _mixed_precision_extension(config: Any) -> MixedPrecision | None:
         LOW_DTYPES[precision] if precision else None,
         COMM_DTYPES[communication_dtype(config)],
         scaler,
+        torch.bfloat16 if _bf16_masters(config) else torch.float32,
     )
 
 

@@ -169,9 +169,9 @@ class ZeroConfig:
             if getattr(self, key) <= 0:
                 raise DSCompileConfigError(f"{path}.{key}", "must be positive")
         if self.offload_param is not None and self.offload_param.enabled and self.stage != 3:
-            raise DSCompileConfigError(
-                f"{path}.offload_param", f"offloads ZeRO-3's parameter shards, and stage is {self.stage} (DeepSpeed also needs stage 3)", "set stage to 3"
-            )
+            # DeepSpeed reads offload_param only at stage 3 and trains stages 0-2 as if it were absent: so do we, saying so.
+            log.warning("%s.offload_param is ignored at ZeRO stage %d, as DeepSpeed ignores it (only stage 3 offloads parameters)", path, self.stage)
+            self.offload_param = None
         if self.cpu_offload:  # DeepSpeed's old spelling of offload_optimizer.device = cpu
             if self.offload_optimizer is not None and self.offload_optimizer.device != "cpu":
                 raise DSCompileConfigError(f"{path}.cpu_offload", f"contradicts offload_optimizer.device={self.offload_optimizer.device}", "keep one of them")

@@ -181,8 +181,10 @@ def test_lengths_and_config_refused_clearly() -> None:
         engine.generate(ids[:, :4], max_new_tokens=5)
     with pytest.raises(DSCompileConfigError, match="tensor_parallel.tp_size.*world of 1 process"):
         dscompile.init_inference(model, tensor_parallel={"tp_size": 2})  # one process: no TP group of 2
-    with pytest.raises(DSCompileNotSupportedError, match="'mp_size'"):
-        dscompile.init_inference(model, config={"mp_size": 2})
+    with pytest.raises(DSCompileConfigError, match="tensor_parallel.tp_size.*world of 1 process"):
+        dscompile.init_inference(model, mp_size=2)  # DeepSpeed's old name of tp_size, read as it
+    with pytest.raises(DSCompileConfigError, match="'mp_size'.*tensor_parallel.tp_size"):
+        dscompile.init_inference(model, config={"mp_size": 2, "tensor_parallel": {"tp_size": 2}})
     with pytest.raises(DSCompileConfigError, match="did you mean 'max_out_tokens'"):
         dscompile.init_inference(model, max_out_token=3)
     with pytest.raises(DSCompileConfigError, match="'max_out_tokens'.*keep only"):
@@ -197,7 +199,7 @@ def test_lengths_and_config_refused_clearly() -> None:
         dscompile.init_inference(model, dtype=torch.int8)
     # DeepSpeed's defaults of unbuilt keys load (a full DeepSpeed inference config)
     config = {"kernel_inject": False, "tp": {"tp_size": 1}, "zero": {}, "moe": False, "replace_method": "auto", "max_tokens": 16, "dtype": "fp32"}
-    assert dscompile.init_inference(tiny("gpt2"), config=config).config.max_out_tokens == 16
+    assert dscompile.init_inference(tiny("gpt2"), config=config)._config.max_out_tokens == 16
 
 
 def test_dce_keeps_in_place_tensor_methods() -> None:

@@ -47,7 +47,6 @@ def test_config_section_and_pipeline() -> None:
     "section,error,key",
     [
         ({"stage": 4}, DSCompileConfigError, "zero_optimization.stage"),
-        ({"stage": 2, "offload_param": {"device": "cpu"}}, DSCompileConfigError, "zero_optimization.offload_param"),
         ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, DSCompileConfigError, "zero_optimization.offload_optimizer.nvme_path"),
         ({"stage": 3, "reduce_bucket_sise": 10}, DSCompileConfigError, "zero_optimization.reduce_bucket_sise"),
         ({"stage": 3, "reduce_bucket_size": 2.5}, DSCompileConfigError, "zero_optimization.reduce_bucket_size"),

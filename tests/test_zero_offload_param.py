@@ -12,6 +12,7 @@ paths and stages fail clearly.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -325,12 +326,16 @@ def test_param_nvme_offload_frees_resident_memory(tmp_path: Path) -> None:
 
 
 # -- config and bad input ------------------------------------------------------------------------------
-def test_offload_param_needs_stage_3() -> None:
+def test_offload_param_below_stage_3_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed reads offload_param only at stage 3; below, it trains as if the key were absent: a warning names it."""
     from dscompile.config import load_config
 
-    for stage in (1, 2):
-        with pytest.raises(DSCompileConfigError, match=r"offload_param.*stage 3"):
-            load_config({"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}})
+    for stage in (0, 1, 2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dscompile.passes.zero"):
+            config = load_config({"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}})
+        assert config.sections["zero_optimization"].offload_param is None
+        assert any("zero_optimization.offload_param is ignored at ZeRO stage" in r.getMessage() for r in caplog.records), caplog.text
     with pytest.raises(DSCompileConfigError, match=r"offload_param.nvme_path"):
         load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     with pytest.raises(DSCompileConfigError, match=r"offload_param.buffer_sise"):

@@ -24,6 +24,7 @@ from dscompile.runtime.checkpoint_io import CheckpointReader, CheckpointWriter
 from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, GradientStrategy, world_info
+from dscompile.runtime.sixteen_bit import module_states, saved_module_state
 from dscompile.runtime.zero_shard import check_unused_parameters, explain_collective_failure
 
 
@@ -126,7 +127,7 @@ class DataParallelGradients(GradientStrategy):
         if self.rank != 0:
             return
         state = {
-            "module": self.module.state_dict(),
+            **module_states(self.module),  # "module" in DeepSpeed's dtype (16 bits under bf16/fp16), the fp32 masters beside it
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             **engine.core_state_dict(client_state),
             "loss_scaler": engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None,  # read on re-layout
@@ -143,7 +144,7 @@ class DataParallelGradients(GradientStrategy):
         self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
         state: dict[str, Any] = CheckpointReader(directory).load(MODEL_STATES)  # verified against the checkpoint's manifest
-        self.module.load_state_dict(state["module"])
+        self.module.load_state_dict(saved_module_state(state))
         if not load_module_only:
             if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:
                 engine.optimizer.load_state_dict(state["optimizer"])

@@ -133,3 +133,34 @@ def forked_rng(devices: Iterable[torch.device] = ()) -> Iterator[None]:
         for device_type, indices in by_type.items():
             stack.enter_context(torch.random.fork_rng(devices=sorted(set(indices)), device_type=device_type))
         yield
+
+
+class OnDevice:
+    """DeepSpeed's ``OnDevice(dtype, device="meta", enabled=True)``: modules built inside get their tensors on
+    ``device`` and their floating-point tensors in ``dtype`` (``device="meta"``: shapes only, no memory).
+
+    torch's own mechanisms: ``torch.device`` as a context (factory functions default to it) and the default
+    dtype. A tensor created with an explicit ``dtype=`` keeps it (DeepSpeed's casts it as well).
+    """
+
+    def __init__(self, dtype: torch.dtype | None, device: Device = "meta", enabled: bool = True) -> None:
+        self.dtype = dtype
+        self.device = device
+        self.enabled = enabled
+        self._stack = contextlib.ExitStack()
+        self._previous_dtype: torch.dtype | None = None
+
+    def __enter__(self) -> OnDevice:
+        if self.enabled:
+            if self.device is not None:
+                self._stack.enter_context(torch.device(self.device))
+            if self.dtype is not None and self.dtype.is_floating_point:
+                self._previous_dtype = torch.get_default_dtype()
+                torch.set_default_dtype(self.dtype)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous_dtype is not None:
+            torch.set_default_dtype(self._previous_dtype)
+            self._previous_dtype = None
+        self._stack.close()

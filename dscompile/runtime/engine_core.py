@@ -108,7 +108,7 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.comm_stats import CommStats, collecting
 from dscompile.runtime.devices import collective_device
-from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, log_every
+from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, ThroughputTimer, log_every
 
 log = logging.getLogger("dscompile.engine")
 
@@ -277,6 +277,10 @@ class EngineCore:
         self.last_logged: dict[str, Any] = {}
         self.offloaded_states: Any = None  # what offload_states parked on the host (an OffloadedStates), until reload_states
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's value (None: counted)
+        throughput = (config.sections.get("timers") or {}).get("throughput", {})
+        self.tput_timer = ThroughputTimer(  # DeepSpeed's; its batch size is set once the layout is known
+            None, config.steps_per_print, enabled=bool(throughput.get("enabled", True)), synchronized=bool(throughput.get("synchronized", True))
+        )
 
     @property
     def rank(self) -> int:
@@ -292,6 +296,8 @@ class EngineCore:
                 self.add_extension(extension)
         if self.optimizer is not optimizer and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "optimizer"):
             self.lr_scheduler.optimizer = self.optimizer  # an extension moved the optimizer (ZeRO onto the shards)
+        with contextlib.suppress(DSCompileConfigError):  # no batch size in the config: DeepSpeed's timer counts 1 per step
+            self.tput_timer.batch_size = self.train_batch_size()
 
     def add_extension(self, extension: EngineExtension) -> EngineExtension:
         if self.extension(extension.name) is not None:
@@ -588,6 +594,20 @@ class EngineCore:
         if self.world_size > 1:
             dist.barrier()
         return True
+
+
+def wrapped_module_attribute(engine: Any, name: str) -> Any:
+    """DeepSpeed's ``DeepSpeedEngine.__getattr__`` fallback: an attribute the engine lacks is the wrapped model's
+    (``engine.gradient_checkpointing_enable()``, ``engine.generation_config``); the engine's own always win."""
+    module = engine.__dict__.get("module")
+    if module is None:
+        module = engine.__dict__.get("_modules", {}).get("module")  # an nn.Module engine registers it as a submodule
+    if module is not None:
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            pass
+    raise AttributeError(f"'{type(engine).__name__}' object has no attribute '{name}'")
 
 
 def write_16bit_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None, save_dir: str, save_filename: str) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("dscompile.engine")
+
 PHASES = ("forward", "backward", "step")
 
 
@@ -173,3 +175,94 @@ def log_every(
         if speak:
             logger.info(format_memory(step, rank, memory.last))
     return logged
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """DeepSpeed's ``see_memory_usage``: with ``force``, log ``message`` with this process's memory (rank 0 only).
+
+    On CPU the resident set and its peak (``process_memory``), on CUDA also the allocator's counters; the CUDA
+    peaks are reset afterwards, as DeepSpeed does.
+    """
+    if not force:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    gib = 1 << 30
+    parts = [f"{key.removesuffix('_bytes')} {value / gib:.2f} GB" for key, value in {**device_memory(), **process_memory()}.items()]
+    log.info("%s | %s", message, ", ".join(parts))
+    if _cuda_active():
+        torch.cuda.reset_peak_memory_stats()
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: samples per second over optimizer steps, as DeepSpeed counts them.
+
+    The engine calls ``start()`` before each forward and ``stop(global_step=<accumulation boundary>)`` in
+    ``step()``; steps before ``start_step`` (2, DeepSpeed's) are warm-up and not timed. ``avg_samples_per_sec()``
+    is ``batch_size`` (the global batch) over the mean time of a timed optimizer step, ``-inf`` before any step.
+    Off with ``timers.throughput.enabled: false``; ``synchronized`` waits for the device before reading the clock.
+    """
+
+    def __init__(
+        self, batch_size: int | None, steps_per_output: int | None = None, start_step: int = 2, enabled: bool = True, synchronized: bool = True
+    ) -> None:
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.steps_per_output = steps_per_output
+        self.start_step = start_step
+        self.enabled = enabled
+        self.synchronized = synchronized
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+        self.start_time = 0.0
+        self.end_time = 0.0
+        self.started = False
+        self.initialized = False
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def _now(self) -> float:
+        if self.synchronized and _cuda_active():
+            torch.cuda.synchronize()
+        return time.time()
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self.initialized = True
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = self._now()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if not self.enabled or not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            self.end_time = self._now()
+            duration = self.end_time - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            if global_step:
+                if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
+                    log.info(
+                        "epoch=%d/micro_step=%d/global_step=%d, RunningAvgSamplesPerSec=%s, CurrSamplesPerSec=%s",
+                        self.epoch_count, self.micro_step_count, self.global_step_count, self.avg_samples_per_sec(),
+                        self.batch_size / (self.step_elapsed_time + 1e-8),
+                    )  # fmt: skip
+                self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        timed_steps = self.global_step_count - self.start_step
+        if self.global_step_count > 0 and timed_steps > 0 and self.total_elapsed_time > 0:
+            return self.batch_size / (self.total_elapsed_time / timed_steps)
+        return float("-inf")

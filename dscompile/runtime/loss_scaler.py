@@ -37,6 +37,7 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import EngineCore, EngineExtension
+from dscompile.runtime.sixteen_bit import cast_state_dict_to
 
 log = logging.getLogger("dscompile.runtime.loss_scaler")
 
@@ -198,17 +199,26 @@ def build_loss_scaler(fp16: Any, group: Any = None) -> StaticLossScaler:
 
 
 class MixedPrecision(EngineExtension):
-    """The engine's part of mixed precision: reduction dtype, fp32 master weights, loss scaling."""
+    """The engine's part of mixed precision: reduction dtype, master weights (fp32, or bf16 with
+    ``bf16_master_weights_and_grads``), loss scaling, and DeepSpeed's 16-bit ``state_dict``."""
 
     name = "mixed_precision"
 
     def __init__(
-        self, precision: str | None = None, compute_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None, scaler: Any = None
+        self,
+        precision: str | None = None,
+        compute_dtype: torch.dtype | None = None,
+        comm_dtype: torch.dtype | None = None,
+        scaler: Any = None,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.precision = precision
         self.compute_dtype = compute_dtype
         self.comm_dtype = comm_dtype
         self.scaler = scaler
+        self.master_dtype = master_dtype
+        self._state_dict_hook: Any = None
+        self._module: nn.Module | None = None
 
     def configure(self, engine: EngineCore) -> None:
         if self.comm_dtype is not None:
@@ -216,13 +226,22 @@ class MixedPrecision(EngineExtension):
         if self.precision is None:
             return
         engine.compute_dtype = self.compute_dtype
-        odd = sorted({str(p.dtype) for p in engine.module.parameters() if p.requires_grad and p.dtype != torch.float32})
+        odd = sorted({str(p.dtype) for p in engine.module.parameters() if p.requires_grad and p.dtype != self.master_dtype})
         if odd:
             raise DSCompileConfigError(
                 f"{self.precision}.enabled",
-                f"the model's trainable parameters must be fp32 master weights, found {', '.join(odd)}",
+                f"the model's trainable parameters must be {'bf16' if self.master_dtype == torch.bfloat16 else 'fp32'} master weights, found {', '.join(odd)}",
                 "do not call model.half()/bfloat16(): the compiled graph casts them",
             )
+        if self.compute_dtype is not None and self.compute_dtype != self.master_dtype:
+            self._module = engine.module
+            self._state_dict_hook = cast_state_dict_to(engine.module, self.compute_dtype)  # DeepSpeed's module is the 16-bit copy
+
+    def destroy(self, engine: EngineCore) -> None:
+        if self._state_dict_hook is not None:
+            self._state_dict_hook.remove()
+            del self._module._dscompile_16bit_state_dict  # type: ignore[union-attr]
+            self._state_dict_hook = None
 
     @property
     def checks_overflow(self) -> bool:  # type: ignore[override]
@@ -244,3 +263,17 @@ class MixedPrecision(EngineExtension):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if hasattr(self.scaler, "load_state_dict"):
             self.scaler.load_state_dict(state)
+
+
+class LowPrecisionMasters(EngineExtension):
+    """``bf16.bf16_master_weights_and_grads`` (with ``bf16_optimizer_states``): the model's parameters themselves become
+    bf16 before ZeRO partitions them, so the masters ZeRO shards and the optimizer steps, the gradients and the
+    optimizer's moments are bf16, as in DeepSpeed (whose fp32 partition is then bf16)."""
+
+    name = "low_precision_masters"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def configure(self, engine: EngineCore) -> None:
+        engine.module.to(self.dtype)  # in place: the parameters stay the objects the optimizer holds

@@ -76,3 +76,60 @@ def build_optimizer(section: OptimizerConfig, params: Iterable[Any]) -> torch.op
         return cls(params, **kwargs)
     except (TypeError, ValueError) as exc:
         raise DSCompileConfigError("optimizer.params", str(exc)) from None
+
+
+class FusedAdam(torch.optim.Adam):
+    """DeepSpeed's ``FusedAdam`` (``deepspeed.ops.adam``) with its signature: torch's Adam, weight decay decoupled
+    (AdamW) unless ``adam_w_mode=False``, as DeepSpeed's kernel computes it. ``fused``/``foreach`` pick torch's kernel."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        **torch_options: Any,
+    ) -> None:
+        _refuse_adam_options(type(self).__name__, bias_correction, amsgrad)
+        torch_options.setdefault("decoupled_weight_decay", adam_w_mode)
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **torch_options)
+
+
+class DeepSpeedCPUAdam(torch.optim.Adam):
+    """DeepSpeed's ``DeepSpeedCPUAdam`` with its signature: torch's Adam on the parameters' device, weight decay
+    decoupled unless ``adamw_mode=False``. ``fp32_optimizer_states`` keeps the moments in the parameters' dtype
+    when false (DeepSpeed's meaning); true with low-precision parameters is refused (torch keeps them in that dtype)."""
+
+    def __init__(
+        self,
+        model_params: Any,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+        **torch_options: Any,
+    ) -> None:
+        _refuse_adam_options(type(self).__name__, bias_correction, amsgrad)
+        torch_options.setdefault("decoupled_weight_decay", adamw_mode)
+        super().__init__(model_params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **torch_options)
+        low = sorted({str(p.dtype) for g in self.param_groups for p in g["params"] if p.dtype != torch.float32})
+        if fp32_optimizer_states and low:
+            raise DSCompileNotSupportedError(
+                "DeepSpeedCPUAdam(fp32_optimizer_states=True)", f"fp32 Adam moments for {', '.join(low)} parameters", "pass fp32_optimizer_states=False"
+            )
+
+
+def _refuse_adam_options(name: str, bias_correction: bool, amsgrad: bool) -> None:
+    if amsgrad:
+        raise DSCompileConfigError(f"{name}(amsgrad=True)", "DeepSpeed's kernel has no AMSGrad variant", "use torch.optim.Adam(amsgrad=True)")
+    if not bias_correction:
+        raise DSCompileNotSupportedError(f"{name}(bias_correction=False)", "Adam without bias correction")

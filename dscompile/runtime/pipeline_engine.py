@@ -50,7 +50,7 @@ from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
-from dscompile.runtime.engine_core import EngineCore, params_or_error, world_info, write_16bit_state
+from dscompile.runtime.engine_core import EngineCore, params_or_error, world_info, wrapped_module_attribute, write_16bit_state
 from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forward_only
 from dscompile.runtime.pipeline_gradients import PipelineGradients
 from dscompile.runtime.pipeline_p2p import P2P
@@ -192,6 +192,10 @@ class GraphStageRunner:
 
 class PipelineEngine(EngineCore):
     """Pipeline-parallel (optionally x data-parallel) training of a model on this rank's stages."""
+
+    def __getattr__(self, name: str) -> Any:
+        """What the engine lacks is the wrapped model's, as DeepSpeed's engine."""
+        return wrapped_module_attribute(self, name)
 
     def __init__(
         self,
@@ -488,6 +492,7 @@ class PipelineEngine(EngineCore):
         if self.world_size > 1:
             dist.barrier()
         begin = time.perf_counter()
+        self.tput_timer.start()
         actions = [a for a in build_schedule(self.pcfg.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)]
         p2p = P2P(self.global_rank, self._comm_device())
         self._hook("before_forward")
@@ -507,6 +512,7 @@ class PipelineEngine(EngineCore):
         loss = self._mean_loss(losses)
         self.last_batch_seconds = time.perf_counter() - begin
         self.end_optimizer_step(speak=self.dp_id == 0)
+        self.tput_timer.stop(global_step=True, report_speed=self.global_rank == 0)
         return loss
 
     @collective_failures_explained("PipelineEngine.eval_batch()")

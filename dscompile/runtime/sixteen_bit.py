@@ -23,12 +23,14 @@ compiled module an engine calls:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from dscompile.runtime.devices import forked_rng
 
@@ -91,3 +93,51 @@ class OutputDtypes:
             for leaf, dtype in zip(leaves, self.dtypes)  # scalars (losses) keep fp32: module docstring
         ]
         return pytree.tree_unflatten(cast, spec)
+
+
+# -- state dicts in DeepSpeed's dtype ------------------------------------------------------------
+# DeepSpeed's module is the 16-bit copy, so ``engine.module.state_dict()`` holds 16-bit tensors; dscompile's module holds
+# the fp32 masters. A state-dict hook on the model gives users DeepSpeed's dtype; dscompile's own checkpoint code reads the
+# masters through ``master_state_dict`` (exact resume) and stores them beside the 16-bit copy.
+_reading_masters: contextvars.ContextVar[bool] = contextvars.ContextVar("dscompile_reading_masters", default=False)
+FP32_MODULE = "fp32_module"
+"""Checkpoint key of the fp32 masters when the ``module`` entry is the 16-bit copy."""
+
+
+def cast_state_dict_to(module: nn.Module, dtype: torch.dtype) -> RemovableHandle:
+    """From now on ``module.state_dict()`` casts floating-point tensors to ``dtype`` (as DeepSpeed's 16-bit module's);
+    remove the returned handle to stop."""
+
+    def hook(_module: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+        if _reading_masters.get():
+            return
+        for key, value in state.items():
+            if key.startswith(prefix) and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+                state[key] = value.detach().to(dtype)
+
+    handle = module.register_state_dict_post_hook(hook)
+    module._dscompile_16bit_state_dict = dtype  # type: ignore[assignment]  # read by checkpoint writers (module_states)
+    return handle
+
+
+def master_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with the fp32 masters (no 16-bit cast)."""
+    token = _reading_masters.set(True)
+    try:
+        return module.state_dict()
+    finally:
+        _reading_masters.reset(token)
+
+
+def module_states(module: nn.Module) -> dict[str, Any]:
+    """A checkpoint's module entries: ``module`` as the user's ``state_dict()`` gives it (16 bits under bf16/fp16, as
+    DeepSpeed writes it) and, when that is a cast, the fp32 masters under ``fp32_module``."""
+    states = {"module": module.state_dict()}
+    if getattr(module, "_dscompile_16bit_state_dict", None) is not None:
+        states[FP32_MODULE] = master_state_dict(module)
+    return states
+
+
+def saved_module_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint reader loads into the model: the fp32 masters when saved, else ``module``."""
+    return state.get(FP32_MODULE) or state["module"]

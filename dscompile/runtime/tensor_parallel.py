@@ -33,6 +33,7 @@ from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.devices import accelerator_devices, capture_rng
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy, scale_gradients_to_norm
 from dscompile.runtime.process_groups import ProcessGroups
+from dscompile.runtime.sixteen_bit import module_states
 
 
 def sum_in_group(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -431,7 +432,7 @@ class TensorParallelGradients(DataParallelGradients):
         if self.groups.dp_rank != 0:
             return  # DP replicas hold the same slices and optimizer states
         state = {
-            "module": self.module.state_dict(),
+            **module_states(self.module),  # "module" in DeepSpeed's dtype, the fp32 masters beside it
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             "optimizer_param_names": optimizer_param_names(engine),
             **engine.core_state_dict(client_state),

@@ -38,6 +38,7 @@ from dscompile.runtime.checkpoint_io import (
     read_latest,
 )
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
+from dscompile.runtime.sixteen_bit import master_state_dict, saved_module_state
 from dscompile.runtime.tensor_parallel import is_tensor_parallel_checkpoint
 
 log = logging.getLogger("dscompile.zero_checkpoint")
@@ -78,7 +79,7 @@ def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None, mp_rank
     zero = engine.zero
     param_keys = {alias for layout in zero.layouts for alias in [layout.name, *layout.aliases]}
     if zero.rank == 0:
-        module_state = {k: v for k, v in engine.module.state_dict().items() if k not in param_keys}
+        module_state = {k: v for k, v in master_state_dict(engine.module).items() if k not in param_keys}  # buffers, exact
         meta = {
             "module": module_state,
             "zero": {"stage": zero.stage, "world_size": zero.world, "layouts": [layout.to_dict() for layout in zero.layouts]},
@@ -281,7 +282,7 @@ def full_state_of_stage0(reader: CheckpointReader, engine: Any | None, name: str
     """A dscompile checkpoint without ZeRO (or one TP rank's file ``name``): the optimizer's positions are named
     by the saved ``optimizer_param_names``, or else by this engine's optimizer (the same script)."""
     state = reader.load(name)
-    named = dict(state["module"])
+    named = dict(saved_module_state(state))
     optimizer, groups = None, None
     saved_opt = state.get("optimizer")
     names = state.get("optimizer_param_names") or (optimizer_param_names(engine) if engine is not None else None)

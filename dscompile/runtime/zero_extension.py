@@ -31,6 +31,7 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, GradientStrategy, params_or_error, scale_gradients_to_norm
+from dscompile.runtime.optimizers import DeepSpeedCPUAdam, FusedAdam
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure, model_state_tensors
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -43,6 +44,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.NAdam,
     torch.optim.RAdam,
     torch.optim.Adadelta,
+    FusedAdam,
+    DeepSpeedCPUAdam,
 )
 """Optimizers whose update of an element depends on that element alone: stepping flat shards is exact."""
 

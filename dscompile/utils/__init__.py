@@ -1,4 +1,4 @@
-"""``deepspeed.utils``: ``RepeatingLoader``, ``logger``, ``log_dist`` and ``groups`` for DeepSpeed scripts."""
+"""``deepspeed.utils``: ``RepeatingLoader``, ``logger``, ``log_dist``, ``OnDevice`` and ``groups`` for DeepSpeed scripts."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from collections.abc import Iterable
 
 from dscompile import comm
 from dscompile.runtime.dataloader import RepeatingLoader, set_random_seed
+from dscompile.runtime.devices import OnDevice
 from dscompile.utils import groups
 
-__all__ = ["RepeatingLoader", "groups", "log_dist", "logger", "set_random_seed"]
+__all__ = ["OnDevice", "RepeatingLoader", "groups", "log_dist", "logger", "set_random_seed"]
 
 logger = logging.getLogger("dscompile")
 

@@ -12,6 +12,7 @@ dscompile's own keys: ``lower`` (the lowering of the prefill/decode graphs) and 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +21,8 @@ import torch
 
 from dscompile.config import LowerName, parse_dataclass, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+
+log = logging.getLogger("dscompile.inference")
 
 ALIASES = {
     "kernel_inject": "replace_with_kernel_inject",
@@ -158,7 +161,6 @@ class InferenceConfig:
     max_out_tokens: int = 1024
     min_out_tokens: int = 1
     transposed_mode: bool = unbuilt(False, "transposed weight mode")
-    mp_size: int = unbuilt(1, "mp_size (deprecated in DeepSpeed; use tensor_parallel.tp_size)")
     mpu: Any = unbuilt(None, TP_GROUPS_NOT_BUILT)
     ep_size: int = unbuilt(1, _MOE)
     ep_group: Any = unbuilt(None, _MOE)
@@ -218,6 +220,21 @@ def _drop_empty_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict
     return data
 
 
+def _map_mp_size(data: dict[str, Any]) -> None:
+    """``mp_size``: DeepSpeed's deprecated spelling of ``tensor_parallel.tp_size``, mapped as DeepSpeed maps it
+    (a warning; refused together with an explicit ``tp_size``)."""
+    if "mp_size" not in data:
+        return
+    mp_size = data.pop("mp_size")
+    tp = data.get("tensor_parallel") or {}
+    if not isinstance(tp, Mapping):
+        raise DSCompileConfigError("tensor_parallel", f"expected a dict, got {type(tp).__name__}")
+    if "tp_size" in tp:
+        raise DSCompileConfigError("mp_size", "given together with tensor_parallel.tp_size", "keep only tensor_parallel.tp_size (mp_size is its old name)")
+    log.warning("init_inference: mp_size is deprecated, as in DeepSpeed; read as tensor_parallel.tp_size=%s", mp_size)
+    data["tensor_parallel"] = {**tp, "tp_size": mp_size}
+
+
 def parse_inference_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
     """``init_inference(model, config=..., **kwargs)``'s settings: keyword arguments override the dict."""
     if isinstance(config, InferenceConfig) and not kwargs:
@@ -234,6 +251,7 @@ def parse_inference_config(config: Any = None, **kwargs: Any) -> InferenceConfig
             raise DSCompileNotSupportedError("moe", _MOE)
         data.pop("moe")
     _drop_empty_defaults(data, _EMPTY_DEFAULTS)
+    _map_mp_size(data)
     weight = data.get("quant", {}).get("weight") if isinstance(data.get("quant"), Mapping) else None
     if isinstance(weight, Mapping):
         data["quant"] = {**data["quant"], "weight": _drop_empty_defaults(dict(weight), _EMPTY_WEIGHT_DEFAULTS)}
