@@ -24,6 +24,8 @@ from dscompile.errors import (
 from dscompile.frontend import dscompile_backend
 from dscompile.inference import InferenceEngine, init_inference
 from dscompile.pipe import PipelineModule  # noqa: E402
+from dscompile.runtime import lr_schedules as _lr_schedules  # noqa: F401  (scripts use deepspeed.runtime.lr_schedules.X unimported)
+from dscompile.runtime import utils as _runtime_utils  # noqa: F401  (and deepspeed.runtime.utils.X)
 from dscompile.runtime.pipeline_engine import PipelineEngine  # noqa: E402
 from dscompile.runtime.pipeline_markers import pipeline_split
 from dscompile.utils import OnDevice, log_dist, logger

@@ -118,3 +118,52 @@ def report(path: str | None, record: dict) -> None:
     if path and int(os.environ.get("RANK", "0")) == 0:
         with open(path, "w") as f:
             json.dump(record, f)
+
+
+# -- masked LM (HelloDeepSpeed's kind) --------------------------------------------------------------
+MLM_VOCAB, MLM_SEQ, MLM_MASK_ID = 64, 12, 3
+
+
+def tiny_roberta() -> nn.Module:
+    """A two-layer RoBERTa for masked LM from a config (no download), dropout off so that runs compare exactly."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    config = RobertaConfig(
+        vocab_size=MLM_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=MLM_SEQ + 4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, type_vocab_size=1, pad_token_id=1,
+    )  # fmt: skip
+    return RobertaForMaskedLM(config)
+
+
+def masked_batches(rank: int, micro: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """One rank's masked batches: about 15% of the tokens masked (the first always), the others' labels -100."""
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(4, MLM_VOCAB, (micro, MLM_SEQ), generator=g)
+        masked = torch.rand(micro, MLM_SEQ, generator=g) < 0.15
+        masked[:, 0] = True
+        out.append({"input_ids": ids.masked_fill(masked, MLM_MASK_ID), "labels": ids.masked_fill(~masked, -100)})
+    return out
+
+
+# -- bf16 master weights (DeepSpeed's bf16_master_weight example's kind) ----------------------------
+class TinyTransformer(nn.Module):
+    """Embeddings, one pre-norm MLP block and an output projection: the example's model, shrunk."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.ff = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.output_proj = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(input_ids)
+        x = x + self.ff(self.norm(x))
+        return self.output_proj(x)
+
+
+def token_batches(rank: int, micro: int, steps: int, vocab: int = 64, seq: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(200 + rank)
+    return [(torch.randint(0, vocab, (micro, seq), generator=g), torch.randint(0, vocab, (micro, seq), generator=g)) for _ in range(steps)]

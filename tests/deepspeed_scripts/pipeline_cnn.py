@@ -23,6 +23,7 @@ parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
 
 deepspeed.init_distributed(dist_backend="gloo")
+deepspeed.runtime.utils.set_random_seed(1138)  # as DeepSpeed's pipeline example: reached as an attribute, not imported
 layers = []
 for kind, *spec in pipeline_layers():
     layers.append(LayerSpec(spec[0], *spec[1], **spec[2]) if kind == "spec" else spec[0])
