@@ -23,6 +23,7 @@ from dscompile.errors import (
 )
 from dscompile.frontend import dscompile_backend
 from dscompile.inference import InferenceEngine, init_inference
+from dscompile.module_inject.layers import set_autotp_mode
 from dscompile.pipe import PipelineModule  # noqa: E402
 from dscompile.runtime import lr_schedules as _lr_schedules  # noqa: F401  (scripts use deepspeed.runtime.lr_schedules.X unimported)
 from dscompile.runtime import utils as _runtime_utils  # noqa: F401  (and deepspeed.runtime.utils.X)
@@ -50,6 +51,7 @@ __all__ = [
     "moe",
     "pipe",
     "sequence",
+    "set_autotp_mode",
     "tp_model_init",
     "utils",
     "zero",

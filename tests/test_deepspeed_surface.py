@@ -102,6 +102,27 @@ def test_deepspeed_names_that_map() -> None:
     assert callable(see_memory_usage) and RepeatingLoader and WarmupLR and BigBirdSparsityConfig(num_heads=2).block == 16
 
 
+def test_zero_to_fp32_functions_read_a_zero_checkpoint(tmp_path: Path) -> None:
+    from dscompile.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    engine = _engine(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), zero_optimization={"stage": 2})
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path)
+    trained = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path)
+    assert all(torch.equal(state[n], v) for n, v in trained.items())
+    fresh = load_state_dict_from_zero_checkpoint(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), tmp_path)
+    assert all(torch.equal(p, trained[n]) for n, p in fresh.named_parameters())
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path, tmp_path / "out")
+    assert torch.load(tmp_path / "out" / "pytorch_model.bin").keys() == state.keys()
+    assert dscompile.set_autotp_mode is dscompile.module_inject.layers.set_autotp_mode
+
+
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_on_device_builds_on_the_device_in_the_dtype(device: str) -> None:
     before = torch.get_default_dtype()

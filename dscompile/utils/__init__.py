@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from dscompile import comm
 from dscompile.runtime.dataloader import RepeatingLoader, set_random_seed
 from dscompile.runtime.devices import OnDevice
-from dscompile.utils import groups
+from dscompile.utils import groups, zero_to_fp32
 
-__all__ = ["OnDevice", "RepeatingLoader", "groups", "log_dist", "logger", "set_random_seed"]
+__all__ = ["OnDevice", "RepeatingLoader", "groups", "log_dist", "logger", "set_random_seed", "zero_to_fp32"]
 
 logger = logging.getLogger("dscompile")
 
