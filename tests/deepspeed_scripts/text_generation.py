@@ -23,13 +23,14 @@ parser.add_argument("--max_new_tokens", type=int, default=10)
 parser.add_argument("--out", type=str, default=None)
 parser.add_argument("--local_rank", type=int, default=int(os.getenv("LOCAL_RANK", "0")))
 parser.add_argument("--world_size", type=int, default=int(os.getenv("WORLD_SIZE", "1")))
+parser.add_argument("--mp_size", type=int, default=None, help="ranks per model (default: the world size)")
 args, _ = parser.parse_known_args()  # the harness's --deepspeed_config/--steps are not this script's
 
 tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
 tokenizer.pad_token = tokenizer.eos_token
 model = AutoModelForCausalLM.from_pretrained(args.model).eval()
 see_memory_usage("before init_inference", True)
-engine = deepspeed.init_inference(model, dtype=torch.float32, mp_size=args.world_size, replace_with_kernel_inject=False, max_tokens=64)
+engine = deepspeed.init_inference(model, dtype=torch.float32, mp_size=args.mp_size or args.world_size, replace_with_kernel_inject=False, max_tokens=64)
 see_memory_usage("after init_inference", True)
 
 prompts = ["deepspeed is a machine learning framework", "he is working on", "peace is the only way"]
