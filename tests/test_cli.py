@@ -21,6 +21,7 @@ def test_dump_text_of_zoo_target(tmp_path, capsys):
     assert "== graph_0.forward after dce ==" in out and "def forward" in out
     assert "graph_0.backward" in out  # the summary table lists every graph
     assert (tmp_path / "graph_0.html").is_file()
+    assert "== graph_0.forward: lowering ==\nlowering: eager\nwhy: lower: eager, as configured" in out  # the dump's default lowering, stated
 
 
 def test_dump_table_after_a_pass_with_pipeline(tmp_path, capsys):

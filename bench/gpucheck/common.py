@@ -166,6 +166,7 @@ class Ctx:
     dry: bool
     deadline: float = float("inf")
     deepspeed: bool = True  # run the DeepSpeed peers where DeepSpeed imports (the dry run leaves them out by default)
+    with_triton: bool = False  # the lowering section also times ``lower: triton`` (one compile more)
 
     @property
     def cuda(self) -> bool:

@@ -1,8 +1,9 @@
 """Goal 1: the default lowering against plain ``torch.compile(backend="inductor")``, ratio <= 1.0.
 
 The zoo GPT (4 layers, d_model 512, batch 8 x 512) and an HF Llama from a config (~106M), each as a training
-step (forward + backward, gradients dropped) and as a ``torch.no_grad()`` forward. Peers alternate; the zoo
-GPT's training step also runs dscompile's Triton codegen (``lower: triton``) to follow its gap to Inductor.
+step (forward + backward, gradients dropped) and as a ``torch.no_grad()`` forward. Peers alternate. With
+``--with-triton`` (and in the dry run) the zoo GPT's training step also runs dscompile's Triton codegen
+(``lower: triton``, opt-in since Inductor became the default) to follow its gap to Inductor.
 Each peer's loss (logits, for the forward) is compared with eager PyTorch's on the same batch.
 """
 
@@ -76,7 +77,7 @@ def run(ctx: Ctx) -> None:
             torch.manual_seed(0)
             reference = _runner(case.model, case.model, batch, train)()
             runners: dict[str, Callable[[], Any]] = {}
-            for name, wrap in _peers(ctx, train, with_triton=model_name == "gpt" and train).items():
+            for name, wrap in _peers(ctx, train, with_triton=ctx.with_triton and model_name == "gpt" and train).items():
                 model = copy.deepcopy(case.model)
                 run_fn = _runner(model, wrap(model), batch, train)
                 torch.manual_seed(0)
