@@ -11,7 +11,7 @@ Every computing node gets ``meta["dscompile"]["lowered_by"]``, one of:
   ``lower: triton``).
 
 The frontend records the counts and the reason for the lowering in ``analysis["lowering_choice"]`` and, with a
-dump, in ``<graph>/lowering.txt``.
+dump, in the graph's last step ``<NN>_lower/`` (``nodes.txt`` shows ``lowered_by``; ``lowering.txt`` the reason).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.fx
 
 from dscompile.config import DSConfig, load_config
 from dscompile.graph import runtime_inputs, unlift_runtime_inputs
-from dscompile.pipeline import PassContext, PassInvocation, PassManager, pipeline_from_config, pipeline_lowering
+from dscompile.pipeline import PassContext, PassInvocation, PassManager, PassRecord, pipeline_from_config, pipeline_lowering
 from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
 log = logging.getLogger("dscompile.frontend")
@@ -161,9 +162,11 @@ class GraphCompiler:
         gm = self.manager.run(gm, ctx)
         from dscompile.backends.decompose import decompose_leftovers
 
+        start, before = time.perf_counter(), len(gm.graph.nodes)
         decompose_leftovers(gm, self.decompositions)  # ops passes inserted after AOTAutograd's decomposition
         _progress(self.graph_name, f"lowering the {label} graph with {self.lowering_name}")
-        record_assignment(gm, self.lowering_name, self.lowering_reason, ctx, self.dumper)
+        record = PassRecord(ctx.graph_name, f"lower({self.lowering_name})", time.perf_counter() - start, before, len(gm.graph.nodes))
+        record_assignment(gm, self.lowering_name, self.lowering_reason, ctx, self.dumper, record)
         compiled = self.lowering.compile(gm, example_inputs, ctx)
         _progress(self.graph_name, f"done: {label} graph")
         # A pass may wrap the lowered graph (``zero_profile`` times the first steps op by op).
@@ -174,16 +177,15 @@ class GraphCompiler:
         return count_graph_runs(compiled, collectives) if collectives else compiled
 
 
-def record_assignment(gm: torch.fx.GraphModule, lowering: str, reason: str, ctx: PassContext, dumper: Any) -> None:
+def record_assignment(gm: torch.fx.GraphModule, lowering: str, reason: str, ctx: PassContext, dumper: Any, record: PassRecord | None = None) -> None:
     """Write what runs each node into its metadata (``lowered_by``), into ``ctx.analysis["lowering_choice"]`` and,
-    with a dump, into ``<graph>/lowering.txt``."""
+    with a dump, into a last step ``<graph>/<NN>_lower/`` (its ``nodes.txt`` and ``lowering.txt``)."""
     from dscompile.backends.assignment import assign_nodes, assignment_report
 
     counts = assign_nodes(gm, lowering)
     ctx.analysis.setdefault("lowering_choice", {})[ctx.graph_name] = {"lowering": lowering, "reason": reason, "nodes": dict(counts)}
-    if dumper is not None:
-        directory = dumper.root / ctx.graph_name
-        directory.mkdir(parents=True, exist_ok=True)
+    if dumper is not None:  # one more dump step, after the passes: the graph as the lowering gets it
+        directory = dumper.dump(gm, ctx, "lower", step=dumper.next_step(ctx.graph_name), record=record)
         (directory / "lowering.txt").write_text(assignment_report(gm, lowering, reason))
 
 

@@ -3,7 +3,8 @@
 The default (``lower`` unset or ``auto``) is Inductor on a GPU as on a CPU: dscompile's Triton codegen measured
 2.3x slower than Inductor on an H200, and Inductor is plain ``torch.compile``'s code generator, so the default
 is no slower than ``torch.compile`` by construction. ``lower: triton`` still selects the codegen. The choice is
-written into each node's metadata (``lowered_by``) and, with a dump, into ``<graph>/lowering.txt``.
+written into each node's metadata (``lowered_by``) and, with a dump, into the graph's last step ``<NN>_lower/``
+(``nodes.txt`` and ``lowering.txt``).
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ def test_assignment_names_dscompile_ops_and_the_lowering() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("lower", [None, "eager"])
 def test_dump_states_the_lowering_and_why(tmp_path: Path, lower: str | None) -> None:
-    """Compiled with a dump, each lowered graph has a ``lowering.txt``: the default says Inductor and why; the
+    """Compiled with a dump, each lowered graph ends with a ``lower`` step and its ``lowering.txt``: the default says Inductor and why; the
     dscompile op is listed as running its own kernel; the numbers are eager's."""
     model = _Rotary()
     options = {"dump": str(tmp_path)} | ({"lower": lower} if lower else {})
     compiled = torch.compile(model, backend="dscompile", options=options)
     with torch.no_grad():
         torch.testing.assert_close(compiled(*_inputs()), model(*_inputs()))
-    reports = [p.read_text() for p in tmp_path.glob("*/lowering.txt")]
+    reports = [p.read_text() for p in tmp_path.glob("*/*_lower/lowering.txt")]
     assert reports, sorted(p.name for p in tmp_path.iterdir())
     for text in reports:
         assert text.startswith(f"lowering: {lower or 'inductor'}\n"), text
