@@ -2,7 +2,7 @@
 # Wheels for the GPU machine (no network there), into .whl/ at the repository root (ignored by git; carried by
 # the device tool's `carry: [".whl"]`). Run here, where pip reaches PyPI, before each GPU check:
 #
-#   bash bench/gpu_wheels.sh            # PYTHON=... to pick the interpreter that builds (default: python3)
+#   bash bench/gpu_wheels.sh            # in the project's venv (DeepSpeed's build imports torch); PYTHON=... picks another
 #
 # - DeepSpeed 0.19.8: pure Python (its CUDA ops are JIT-built where they run), built here as a py3 wheel; and
 #   the packages it needs that the GPU image lacks (its list: /work/.library/device/KINDS.md): hjson, pydantic,
