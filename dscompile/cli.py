@@ -137,6 +137,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
         if args.format in ("text", "table") and regions.is_file():
             print(f"== {step.parent.name}: fusion regions and the nodes left out ==")
             print(regions.read_text())
+        lowering = step / "lowering.txt"  # the lowering's own step: the lowering, why, and what runs each node
+        if args.format in ("text", "table") and lowering.is_file():
+            print(f"== {step.parent.name}: lowering ==")
+            print(lowering.read_text())
     if args.format == "html":
         for page in sorted(out.glob("*.html")):
             print(page)

@@ -1,6 +1,8 @@
 """Graph inspection: code, node table, DOT/SVG and a summary for every graph after every pass.
 
-Layout: ``DIR/<graph>.<kind>/<NN>_<pass>/{code.py,nodes.txt,graph.dot,graph.svg,summary.json}``
+Layout: ``DIR/<graph>.<kind>/<NN>_<pass>/{code.py,nodes.txt,graph.dot,graph.svg,summary.json}``; the last step of a
+lowered graph is ``<NN>_lower``: the graph as the lowering gets it, each node's ``lowered_by`` in ``nodes.txt``, and
+``lowering.txt`` (the lowering and why).
 and one self-contained ``DIR/<graph>.html`` per compile that steps through the passes.
 """
 
@@ -164,6 +166,10 @@ class Dumper:
             index += 1
         self.steps.setdefault(f"graph_{index}", [])
         return f"graph_{index}"
+
+    def next_step(self, graph_name: str) -> int:
+        """The step number after the last one dumped for ``graph_name`` (the lowering's own step comes last)."""
+        return sum(1 for s in self.steps.get(graph_name.split(".")[0], []) if s.graph == graph_name)
 
     def dump(self, gm: torch.fx.GraphModule, ctx: Any, pass_name: str, *, step: int, record: Any = None) -> Path:
         directory = self.root / ctx.graph_name / f"{step:02d}_{pass_name}"

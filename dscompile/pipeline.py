@@ -390,7 +390,7 @@ def register_marker(name: str, *, options: type | None, doc: str) -> None:
 
 @dataclass
 class LowerOptions:
-    backend: str = field(default="auto", metadata={"help": "eager | inductor | triton | auto (triton on CUDA, inductor on CPU)"})
+    backend: str = field(default="auto", metadata={"help": "eager | inductor | triton | auto (inductor, on a GPU as on a CPU)"})
 
     def __post_init__(self) -> None:
         from dscompile.backends import lowerings

@@ -115,6 +115,27 @@ def block_sparse_fwd_kernel(
 
 
 @triton.jit
+def block_sparse_bwd_preprocess_kernel(
+    Out, DO, Delta,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    H, S, D,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Delta = rowsum(dO * O) in fp32, read in the inputs' own dtype: one launch where casts, a product and a sum took four."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = i * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d[None, :] < D
+    o = _tile(Out, b, h, rows, offs_d, dmask, stride_ob, stride_oh, stride_os, stride_od).to(tl.float32)
+    do = _tile(DO, b, h, rows, offs_d, dmask, stride_dob, stride_doh, stride_dos, stride_dod).to(tl.float32)
+    tl.store(Delta + bh * S + rows, tl.sum(o * do, 1))
+
+
+@triton.jit
 def block_sparse_bwd_dkdv_kernel(
     Q, K, V, Bias, DO, Lse, Delta, DK, DV, LutRows, LutCount,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -210,4 +231,4 @@ def block_sparse_bwd_dq_kernel(
     tl.store(DQ + bh * S * D + rows[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=dmask)
 
 
-__all__ = ["block_sparse_fwd_kernel", "block_sparse_bwd_dkdv_kernel", "block_sparse_bwd_dq_kernel", "triton"]
+__all__ = ["block_sparse_fwd_kernel", "block_sparse_bwd_preprocess_kernel", "block_sparse_bwd_dkdv_kernel", "block_sparse_bwd_dq_kernel", "triton"]

@@ -154,25 +154,30 @@ def block_sparse_attention_backward(
     seed: torch.Tensor | None = None,
     lut: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward: dq from the row table, dk/dv from the column table; both block-sparse."""
+    """Triton backward: the rows' ``delta`` (one preprocess launch), dq from the row table, dk/dv from the column
+    table; both block-sparse. Per call: three launches and no host read once the layout's tables are cached."""
     _check(q, block)
     kern = _kernels()
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, grad_out = (_as_kernel_dtype(x) for x in (q, k, v, grad_out))
     b, h, s, d = q.shape
     cols, col_count, rows, row_count = lut if lut is not None else cached_lut(layout_cache.on_device(layout, q.device), causal)
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     lse = lse.contiguous()
+    grid = (s // block, b * h)
+    block_d = max(16, triton_next_pow2(d))
+    delta = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    kern.block_sparse_bwd_preprocess_kernel[grid](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), h, s, d, BLOCK=block, BLOCK_D=block_d,
+    )  # fmt: skip
     dq = torch.empty((b, h, s, d), dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
     bias_t, strides = _common(q, k, v, bias)
     common = dict(
-        BLOCK=block, BLOCK_D=max(16, triton_next_pow2(d)),
+        BLOCK=block, BLOCK_D=block_d,
         HAS_BIAS=bias is not None, CAUSAL=causal, DROPOUT=dropout_p > 0.0, PRECISION=_precision(q.dtype), DOT_FP32=_dot_fp32(q),
     )  # fmt: skip
     scalars = (h, s, d, s if kv_len is None else kv_len, float(scale), float(dropout_p), _seed_value(seed, dropout_p))
-    grid = (s // block, b * h)
     kern.block_sparse_bwd_dkdv_kernel[grid](
         q, k, v, bias_t, grad_out, lse, delta, dk, dv, rows, row_count,
         *strides, *grad_out.stride(), rows.stride(0), rows.stride(1), row_count.stride(0), *scalars, **common,

@@ -300,7 +300,7 @@ def block_sparse_attention_backward(
     else:
         go = _pad_seq(grad_out, padded, (2,))
         outp = _pad_seq(out, padded, (2,))
-        lsep = F.pad(lse, [0, padded - s], value=float("inf"))
+        lsep = F.pad(lse, [0, padded - s], value=float("inf")) if padded != s else lse  # a zero pad would still copy
         impl = reference if kern == "reference" else _triton()
         grads = impl.block_sparse_attention_backward(
             go, qp, kp, vp, outp, lsep, lay, block, scale, bias=bias_p, causal=causal, kv_len=s, dropout_p=dropout_p, seed=seed
@@ -321,6 +321,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     ctx.options = (block, scale, causal, dropout_p, kernel, sparsity)
     ctx.bias_needs_grad = isinstance(bias, Tensor) and bias.requires_grad
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # the lse's gradient is never read: no zeros kernel for it per call
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any, ...]:
@@ -329,6 +330,8 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any,
             "dscompile::block_sparse_attention has no gradient for its bias; the sparse_attention pass "
             "leaves attention with a trainable bias unchanged"
         )
+    if grad_out is None:  # grads are not materialized: the output took no part in the loss
+        return (None,) * 12
     q, k, v, layout, bias, seed, out, lse = ctx.saved_tensors
     dq, dk, dv = block_sparse_attention_backward(grad_out, q, k, v, out, lse, layout, bias, seed, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None

@@ -19,6 +19,7 @@ import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupport
 
+from dscompile.backends.assignment import REGION_PREFIX
 from dscompile.backends.triton_codegen import (
     CodegenUnsupported,
     TensorSpec,
@@ -32,8 +33,6 @@ from dscompile.graph import ds_meta, is_collective
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 
 log = logging.getLogger("dscompile.passes.fuse")
-
-REGION_PREFIX = "ds_region_"
 
 
 class TritonOperatorSupport(OperatorSupport):
@@ -282,12 +281,8 @@ def fuse(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.
 
 
 def triton_lowering_selected(config: Any) -> bool:
-    lower = getattr(config, "lower", None)
-    if lower == "triton":
-        return True
-    if lower in (None, "auto"):
-        return torch.cuda.is_available()
-    return False
+    """Only ``lower: triton`` forms regions: the default lowering is Inductor on every device, which fuses on its own."""
+    return getattr(config, "lower", None) == "triton"
 
 
 @register_config_rule(90, "fusion")

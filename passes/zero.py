@@ -588,7 +588,9 @@ def zero_gloo(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torc
       before then.
     - Each all-gather over ``GLOO_BROADCASTS_ABOVE`` elements becomes one broadcast per rank
       (``zero_broadcast_gather``, waited by the same ``wait_tensor``): gloo's all-gather is 2-3x slower.
-    The new nodes keep the collective's ``zero`` metadata (stats count them as the reduce-scatter or all-gather)."""
+    The new nodes keep the collective's ``zero`` metadata (stats count them as the reduce-scatter or all-gather).
+    Decided per collective by the backend that carries its tensor (``zero_ops.moves_like_gloo``): on NCCL the
+    graphs keep ``reduce_scatter_tensor`` and ``all_gather_into_tensor``, NCCL's fast collectives."""
     graph = gm.graph
     counts = {"reduce_scatter": 0, "all_gather": 0}
     for start in [n for n in graph.nodes if n.op == "call_function" and is_zero_start(n)]:
@@ -605,7 +607,7 @@ def zero_gloo(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torc
 def _reduce_scatter_as_all_to_all(graph: torch.fx.Graph, start: torch.fx.Node) -> int:
     flat, reduce_op, world, group = start.args
     waits = [u for u in start.users if u.target is c10d.wait_tensor.default]
-    if reduce_op != "sum" or len(start.users) != 1 or len(waits) != 1 or not _is_gloo(group):
+    if reduce_op != "sum" or len(start.users) != 1 or len(waits) != 1 or not _is_gloo(group, flat):
         return 0
     [wait] = waits
     length = node_value(flat).shape[0] // world
@@ -622,7 +624,7 @@ def _reduce_scatter_as_all_to_all(graph: torch.fx.Graph, start: torch.fx.Node) -
 
 def _all_gather_as_broadcasts(graph: torch.fx.Graph, start: torch.fx.Node) -> int:
     flat, world, group = start.args
-    if node_value(flat).numel() * world <= zero_ops.GLOO_BROADCASTS_ABOVE or not _is_gloo(group):
+    if node_value(flat).numel() * world <= zero_ops.GLOO_BROADCASTS_ABOVE or not _is_gloo(group, flat):
         return 0
     with graph.inserting_before(start):
         gather = new_node(graph, zero_ops.BROADCAST_GATHER, (flat, world, group))
@@ -632,10 +634,13 @@ def _all_gather_as_broadcasts(graph: torch.fx.Graph, start: torch.fx.Node) -> in
     return 1
 
 
-def _is_gloo(group: str) -> bool:
+def _is_gloo(group: str, flat: torch.fx.Node) -> bool:
+    """Whether gloo carries this collective's tensor (``zero_ops.moves_like_gloo``); NCCL keeps its own collectives."""
     import torch.distributed as dist
 
-    return bool(group) and dist.is_available() and dist.is_initialized() and dist.get_backend(zero_ops.resolve_group(group)) == "gloo"
+    if not (group and dist.is_available() and dist.is_initialized()):
+        return False
+    return zero_ops.moves_like_gloo(zero_ops.resolve_group(group), node_value(flat).device.type)
 
 
 def _position(graph: torch.fx.Graph) -> Any:

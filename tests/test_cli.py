@@ -18,9 +18,10 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def test_dump_text_of_zoo_target(tmp_path, capsys):
     assert main(["dump", "dscompile.zoo.targets:mlp", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "== graph_0.forward after dce ==" in out and "def forward" in out
+    assert "== graph_0.forward after lower ==" in out and "def forward" in out  # the last step: the graph the lowering got
     assert "graph_0.backward" in out  # the summary table lists every graph
     assert (tmp_path / "graph_0.html").is_file()
+    assert "== graph_0.forward: lowering ==\nlowering: eager\nwhy: lower: eager, as configured" in out  # the dump's default lowering, stated
 
 
 def test_dump_table_after_a_pass_with_pipeline(tmp_path, capsys):

@@ -21,8 +21,10 @@ def test_dump_writes_every_graph_and_pass(tmp_path):
     _compile_and_train({"lower": "eager", "dump": str(tmp_path)})
     graphs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert graphs == ["graph_0.backward", "graph_0.dynamo", "graph_0.forward", "graph_0.joint"]
-    forward_steps = sorted(p.name for p in (tmp_path / "graph_0.forward").iterdir())
-    assert forward_steps == ["00_captured", "01_cse", "02_noop_views", "03_dce"]
+    forward_steps = sorted(p.name for p in (tmp_path / "graph_0.forward").iterdir() if p.is_dir())
+    assert forward_steps == ["00_captured", "01_cse", "02_noop_views", "03_dce", "04_lower"]  # the graph as the lowering got it
+    assert (tmp_path / "graph_0.forward" / "04_lower" / "lowering.txt").read_text().startswith("lowering: eager\n")
+    assert '"lowered_by": "aten"' in (tmp_path / "graph_0.forward" / "04_lower" / "nodes.txt").read_text()
     step = tmp_path / "graph_0.forward" / "03_dce"
     for name in ("code.py", "nodes.txt", "graph.dot", "summary.json"):
         assert (step / name).stat().st_size > 0, name

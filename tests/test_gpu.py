@@ -1,4 +1,4 @@
-"""What only a GPU can check: the default GPU lowering (Triton), CUDA RNG under dropout, NCCL buffers.
+"""What only a GPU can check: the lowerings on CUDA (default Inductor, and Triton), CUDA RNG under dropout, NCCL buffers.
 
 Every test here is marked ``gpu`` and skipped without CUDA (tests/conftest.py);
 ``bench/gpu_check.py`` runs them on a GPU together with the GPU timings. Tolerances as in the CPU
@@ -52,7 +52,7 @@ def _train(model: torch.nn.Module, params: list, case: object) -> list[float]:
 def test_lowerings_train_like_eager_on_cuda(lower: str) -> None:
     from dscompile.frontend import resolve_lowering
 
-    assert resolve_lowering("auto") == "triton"  # the GPU default
+    assert resolve_lowering("auto") == "inductor"  # the default, on a GPU as on a CPU
     case = _case()
     eager = copy.deepcopy(case.model)
     options = {} if lower == "auto" else {"lower": lower}  # no key: the default lowering

@@ -237,7 +237,7 @@ def test_auto_runs_torch_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_engine_with_triton_kernels_matches_hf(monkeypatch: pytest.MonkeyPatch, arch: str, lower: str | None) -> None:
     """The Triton kernels forced in place of the torch paths (as on CUDA) inside a kernel-injected engine: both
     custom ops in the prefill and decode graphs, HF's greedy tokens, logits within 1e-5, one decode compile. Llama
-    (GQA) under Inductor (the CPU default), GPT-NeoX (partial rotary) under dscompile's Triton lowering (the GPU default)."""
+    (GQA) under Inductor (the default), GPT-NeoX (partial rotary) under dscompile's Triton lowering."""
     pytest.importorskip("transformers")
     from test_inference import left_padded_batch, tiny
 

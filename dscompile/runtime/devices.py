@@ -52,6 +52,17 @@ def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
     return ["cuda"] if backend == "nccl" else ["cpu"]
 
 
+def backend_serving(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend that moves ``device_type`` tensors for ``group``: ``"gloo"`` for CPU tensors of a
+    ``"cpu:gloo,cuda:nccl"`` group, ``"nccl"`` for its CUDA tensors; the group's backend where its
+    configuration names no such device."""
+    for entry in dist.get_backend_config(group).split(","):
+        device, _, name = entry.partition(":")
+        if name and device == device_type:
+            return name
+    return str(dist.get_backend(group))
+
+
 def collective_device(group: dist.ProcessGroup | None = None, like: Device = None) -> torch.device:
     """The device a collective's buffers must be on for ``group``; ``like``'s device when the backend serves it."""
     wanted = _as_device(like)

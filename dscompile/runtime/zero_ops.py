@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dscompile.runtime.devices import backend_serving
+
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -111,6 +113,14 @@ GLOO_BROADCASTS_ABOVE = 1 << 18
 costs two to three times as much for the same bytes (measured on this project's CPU machine, 2 ranks: 8M fp32
 elements 32.5 ms against 15.3 ms, 256Ki 0.97 against 0.45 ms; 4 ranks: 8M 60.7 against 23.4 ms; 64Ki elements
 favour the all-gather, 0.29 against 0.43 ms)."""
+
+
+def moves_like_gloo(group: dist.ProcessGroup | None, device_type: str) -> bool:
+    """Whether ZeRO moves ``device_type`` tensors of ``group`` the gloo way: reduce-scatter as an all-to-all and a
+    local sum, big all-gathers as one broadcast per rank. Only where gloo carries those tensors: NCCL (and any
+    other backend) runs its own reduce-scatter and all-gather, which are the fast ones there. Decided per
+    device type, so a ``"cpu:gloo,cuda:nccl"`` group moves CPU tensors the gloo way and CUDA tensors NCCL's way."""
+    return backend_serving(group, device_type) == "gloo"
 
 
 class AllOf(dist.Work):
