@@ -31,6 +31,7 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
+from dscompile.runtime.dynamo_room import make_room
 from dscompile.runtime.engine_core import (
     LATEST,
     MODEL_STATES,
@@ -57,27 +58,12 @@ log = logging.getLogger("dscompile.engine")
 
 _ENTRIES_PER_ENGINE = 4
 """Dynamo cache entries one engine's forward may add (train and eval, a second input shape, ...)."""
-_engines_compiled = 0
-_dynamo_limits: tuple[int, int] | None = None  # Dynamo's limits before the first engine (read then: importing torch._dynamo here is slow)
 
 
 def _make_room_for_one_more_engine() -> None:
-    """Raise Dynamo's per-code cache limits by what one more engine may need.
-
-    Dynamo keeps at most ``recompile_limit`` (8) compiled entries per code object, and each engine over a model of
-    the same class adds its own (its guards name its own module). Past the limit Dynamo runs the forward
-    uncompiled, with one log line: the ninth engine in a process (a notebook, a sweep, a GAN's two engines built
-    again) would then train without dscompile's passes, silently. The limits only grow, from the values before the
-    first engine.
-    """
-    global _engines_compiled, _dynamo_limits
-    _engines_compiled += 1
-    config = torch._dynamo.config
-    if _dynamo_limits is None:
-        _dynamo_limits = (config.recompile_limit, config.accumulated_recompile_limit)
-    per_code, accumulated = _dynamo_limits
-    config.recompile_limit = max(config.recompile_limit, per_code + _ENTRIES_PER_ENGINE * _engines_compiled)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, accumulated + _ENTRIES_PER_ENGINE * _engines_compiled)
+    """Room in Dynamo's per-code caches for this engine's graphs (``dscompile.runtime.dynamo_room``):
+    past Dynamo's limit an engine over a model of an already-compiled class would run uncompiled."""
+    make_room(_ENTRIES_PER_ENGINE)
 
 
 __all__ = [

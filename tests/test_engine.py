@@ -187,7 +187,9 @@ def test_many_engines_in_one_process_all_compile(room, monkeypatch):
     silent fallback)."""
     import dscompile.engine as engine_module
     import dscompile.frontend as frontend
+    from dscompile.runtime import dynamo_room
 
+    monkeypatch.setattr(dynamo_room, "_reserved", 0)  # earlier tests' reservations would leave room anyway
     if not room:
         monkeypatch.setattr(engine_module, "_ENTRIES_PER_ENGINE", 0)
     calls = []
@@ -200,7 +202,7 @@ def test_many_engines_in_one_process_all_compile(room, monkeypatch):
     monkeypatch.setattr(frontend.GraphCompiler, "compile", counted)
     dynamo = torch._dynamo.config
     saved = (dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
-    dynamo.recompile_limit, dynamo.accumulated_recompile_limit = engine_module._dynamo_limits or saved
+    dynamo.recompile_limit, dynamo.accumulated_recompile_limit = dynamo_room.original_limits() or saved
     compiled = []
     try:
         for seed in range(12):
