@@ -132,8 +132,6 @@ def _own_layer(model: nn.Module, state: CompressionState, shrinks: list[tuple[st
         if spec is None:
             continue
         _warn_off(state, technique)
-        if spec.method != "topk" and not bool(getattr(state, f"{technique}_fixed", torch.ones(()))):
-            getattr(state, f"{technique}_mask").copy_(state.l1_mask(technique, weight))  # never switched on: decide now
         mask = state.mask(technique).to(torch.bool)
         related = state.related.get(technique, [])
         if technique == "sparse":

@@ -50,8 +50,7 @@ def test_section_is_accepted_by_load_config() -> None:
         (wq({"g": {"params": {"start_bits": 8, "target_bits": 8}, "moduels": ["x"]}}), "moduels"),
         (wq({"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["("]}}), "modules"),
         ({"activation_quantization": {"shared_parameters": {"enabled": True}, "different_groups": {"a": {"params": {"bits": 6}}}}}, "bits"),
-        ({"sparse_pruning": {"shared_parameters": {"enabled": True, "block_pattern": "2x2"}, "different_groups": {}}}, "block_pattern"),
-        ({"sparse_pruning": {"shared_parameters": {"method": "topk", "schedule_offset": 5, "schedule_offset_end": 9}}}, "schedule_offset_end"),
+        (wq({"g": {"params": {"start_bits": 8, "target_bits": 4, "quantization_period": -1}}}), "quantization_period"),
         ({"sparse_pruning": {"shared_parameters": {"method": "snip_momentum", "block_pattern": "4by1"}}}, "block_pattern"),
         ({"head_pruning": {"shared_parameters": {"enabled": True}, "different_groups": {}}}, "num_heads"),
         ({"row_pruning": {"shared_parameters": {"method": "snip_momentum"}}}, "method"),
@@ -75,6 +74,30 @@ def test_bad_sections_name_the_key(section: dict, key: str) -> None:
     with pytest.raises(DSCompileConfigError) as info:
         parse_compression(section)
     assert key in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "shared,key",
+    [
+        ({"method": "l1", "block_pattern": "2x2"}, "block_pattern"),
+        ({"method": "topk", "schedule_offset": 5, "schedule_offset_end": 9}, "schedule_offset_end"),
+        ({"method": "l1", "excluded_modules": ["classifier"]}, "excluded_modules"),
+    ],
+)
+def test_snip_momentum_settings_of_other_methods_are_ignored_with_a_warning(shared: dict, key: str, caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed reads them for snip_momentum only and ignores them otherwise: accepted, and the warning names the key."""
+    section = {"sparse_pruning": {"shared_parameters": {"enabled": True, **shared}, "different_groups": {"s": {"params": {"dense_ratio": 0.5}}}}}
+    with caplog.at_level("WARNING", logger="dscompile.passes.compression"):
+        parsed = parse_compression(section)
+    assert f"sparse_pruning.shared_parameters.{key} is ignored" in caplog.text
+    assert parsed.sparse_pruning.shared.schedule_offset_end == parsed.sparse_pruning.shared.schedule_offset
+
+
+def test_quantization_period_zero_is_accepted() -> None:
+    """DeepSpeed's own example configs use quantization_period 0 (with start_bits == target_bits)."""
+    group = {"g": {"params": {"start_bits": 1, "target_bits": 1, "quantization_period": 0}, "modules": ["fc"]}}
+    parsed = parse_compression(wq(group, quantize_weight_in_forward=True))
+    assert parsed.weight_quantization.groups[0].params.quantization_period == 0
 
 
 class Net(nn.Module):
@@ -102,8 +125,6 @@ def test_module_assignment_errors() -> None:
     twice = parse_compression(wq({"a": {**params, "modules": ["query"]}, "b": {**params, "modules": [r"encoder\.0"]}}))
     with pytest.raises(DSCompileConfigError, match="already compressed by group 'a'"):
         assign_modules(net, twice)
-    with pytest.raises(DSCompileConfigError, match="matches no"):
-        assign_modules(net, parse_compression(wq({"a": {**params, "modules": ["decoder"]}})))
     rows = {
         "row_pruning": {
             "shared_parameters": {"enabled": True},
@@ -122,6 +143,28 @@ def test_module_assignment_errors() -> None:
         }
     }
     assert [(a.module, a.related) for a in assign_modules(net, parse_compression(channels))] == [("conv", ["bn"])]
+
+
+def test_patterns_matching_nothing_are_ignored_as_deepspeed_ignores_them(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed skips a ``modules`` or ``related_modules`` entry that matches no module (its CIFAR config
+    names ``bn1`` layers that a ResNet built without batch norm lacks); the warning names the pattern."""
+    net = Net()
+    params = {"params": {"start_bits": 8, "target_bits": 8}}
+    with caplog.at_level("WARNING", logger="dscompile.passes.compression"):
+        assigned = assign_modules(net, parse_compression(wq({"a": {**params, "modules": ["decoder", "query"]}})))
+    assert [a.module for a in assigned] == ["encoder.0.query", "encoder.1.query"]
+    assert "pattern 'decoder' matches no module, ignored" in caplog.text
+    channels = {
+        "channel_pruning": {
+            "shared_parameters": {"enabled": True},
+            "different_groups": {"c": {"params": {"dense_ratio": 0.5}, "modules": ["conv"], "related_modules": [["bn", "norm"]]}},
+        }
+    }
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dscompile.passes.compression"):
+        assigned = assign_modules(net, parse_compression(channels))
+    assert [(a.module, a.related) for a in assigned] == [("conv", ["bn"])]
+    assert "related_modules: pattern 'norm' matches no module, ignored" in caplog.text
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +190,9 @@ class DeepSpeedMoQ:
         return self.start_bits, self.real_ratio
 
 
-@pytest.mark.parametrize("start,target,period,offset", [(8, 4, 2, 0), (12, 8, 50, 0), (8, 4, 1, 5), (4, 4, 3, 2), (8, 1, 3, 0)])
+@pytest.mark.parametrize(
+    "start,target,period,offset", [(8, 4, 2, 0), (12, 8, 50, 0), (8, 4, 1, 5), (4, 4, 3, 2), (8, 1, 3, 0), (4, 4, 0, 0), (8, 4, 0, 0), (8, 1, 0, 2)]
+)
 def test_moq_bit_schedule_equals_deepspeeds(start: int, target: int, period: int, offset: int) -> None:
     spec = WeightQuantSpec("g", start, target, period, offset, False, True, False, 1, True, 0.01)
     moq = DeepSpeedMoQ(start, target, period, 0.01)

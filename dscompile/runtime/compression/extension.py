@@ -1,9 +1,11 @@
 """The engine core's ``compression`` extension: the compression schedule driven by the engine's steps.
 
 DeepSpeed's engine, when its config has a ``compression_training`` section, builds a
-``compression_scheduler`` over its module, sets step 0 before the first forward and advances the
-schedule after every optimizer step it applies (a step skipped for an fp16 overflow does not
-count). This extension does the same in every dscompile engine:
+``compression_scheduler`` over its module, sets step 0 before the first forward (its forward
+prologue is a pre-hook of the module itself, so the first ``model(x)`` a script calls directly
+counts too) and advances the schedule after every optimizer step it applies (a step skipped for an
+fp16 overflow does not count). This extension does the same in every dscompile engine, setting
+step 0 (again) when the engine is built:
 
 - ``configure``: prepares the model (``init_compression``'s work, handed in by the factory in
   ``passes/compression.py``) when the script did not, and keeps the optimizer in step with the

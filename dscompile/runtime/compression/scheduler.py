@@ -12,14 +12,18 @@ the schedule is a small object any training loop (or the engine core) drives:
 
 ``step(n)`` puts every compressed layer in the state the forward of step ``n`` needs: switches on
 each technique at its ``schedule_offset``, sets the scheduled bit width (and ``fp16_mixed_quantize``
-ratio), and takes the l1 / snip_momentum mask decisions from the current weights. All of it is
+ratio), and takes the snip_momentum mask decisions from the accumulated scores. All of it is
 tensors the compiled graphs read, so no step recompiles. Skipped steps (fp16 overflow) are not
 counted, as in DeepSpeed: pass the number of applied optimizer steps.
 
-``dscompile.initialize`` drives it for the user: the engine core's ``compression`` extension
-(``runtime/compression/extension.py``) calls ``step`` after every applied optimizer step and keeps
-the count in checkpoints. The model carries its scheduler (``attach_scheduler`` /
-``scheduler_of``), so ``init_compression``, the engine and ``redundancy_clean`` share one.
+``init_compression`` leaves it at step 0. ``dscompile.initialize`` drives it for the user as
+DeepSpeed's engine does: the engine core's ``compression`` extension
+(``runtime/compression/extension.py``) calls ``step`` after every applied optimizer step, and keeps
+the count in checkpoints. (DeepSpeed's layers switch on at its engine's first forward, or at the
+first ``compression_scheduler.step``: the same as here once a script builds its engine before it
+computes, as DeepSpeed's examples do.)
+The model carries its scheduler (``attach_scheduler`` / ``scheduler_of``), so ``init_compression``,
+the engine and ``redundancy_clean`` share one.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class CompressionScheduler:
             wq = state.weight_quant
             if wq is not None:
                 drops = 0 if wq.in_forward else wq.start_bits - wq.target_bits
-                last = max(last, wq.offset if drops == 0 else wq.offset + wq.period * 2 ** (drops - 1) - 1)  # the last drop's step
+                last = max(last, wq.offset if drops == 0 else wq.offset + wq.drop_call(drops) - 1)  # the last drop's step
             if state.act_quant is not None:
                 last = max(last, state.act_quant.offset)
             for spec in state.masks.values():

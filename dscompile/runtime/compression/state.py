@@ -7,8 +7,9 @@ model's ``state_dict`` and move with ``.to()``): the current bit width, 0/1 swit
 masks, learned mask scores (parameters the optimizer trains) and the calibrated activation range.
 The passes read them as inputs of the compiled graph (``dscompile.graph.lift_tensor``), so the
 schedule changes them between steps in place, without a recompile. ``set_step`` is the schedule:
-a pure function of the global step (plus, for l1 and snip_momentum masks, the weights and
-accumulated scores when the decision is taken).
+a pure function of the global step (plus, for snip_momentum masks, the accumulated scores when the
+decision is taken). As in DeepSpeed, every switch is off until the schedule's first ``set_step``,
+and ``l1`` masks are decided from the weights when the layer is prepared.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class WeightQuantSpec:
     ``offset`` on; otherwise (MoQ) the bits start at ``start_bits`` and drop by one each time the
     quantization count reaches the period, which then doubles: with ``k`` the number of steps since
     ``offset`` (counting that one), bits = ``start - #{i >= 0: period * 2**i <= k}``, never below target.
+    ``period`` 0 (DeepSpeed's examples use it) drops one bit at every quantization: bits = ``start - k``.
     """
 
     group: str
@@ -59,9 +61,15 @@ class WeightQuantSpec:
         return step - self.offset + 1 if step >= self.offset else 0
 
     def drops(self, calls: int) -> int:
+        if self.period == 0:
+            return min(self.start_bits - self.target_bits, calls)
         if calls < self.period:
             return 0
         return min(self.start_bits - self.target_bits, int(math.floor(math.log2(calls / self.period))) + 1)
+
+    def drop_call(self, drop: int) -> int:
+        """The quantization count at which bit drop number ``drop`` (1-based) happens."""
+        return drop if self.period == 0 else self.period * 2 ** (drop - 1)
 
     def bits_at(self, step: int) -> int | None:
         """The bit width the forward of ``step`` uses, None before ``offset``."""
@@ -79,7 +87,7 @@ class WeightQuantSpec:
             return 0.0
         k = self.calls(step)
         d = self.drops(k)
-        last_change = self.period * 2 ** (d - 1) if d > 0 else 0
+        last_change = self.drop_call(d) if d > 0 else 0
         return max(0.0, 1.0 - self.change_ratio * (k - last_change))
 
     def reachable_bits(self) -> range:
@@ -137,6 +145,13 @@ def _mask_shape(technique: str, weight: torch.Tensor, spec: MaskSpec) -> tuple[i
     return (weight.shape[0],)
 
 
+def draw_scores(technique: str, weight: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
+    """Learned mask scores as DeepSpeed draws them: kaiming-uniform (a = sqrt(5)) in its shape, on the weight's device."""
+    scores = torch.empty(_scores_shape(technique, weight, spec), device=weight.device, dtype=torch.float32)
+    nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
+    return scores
+
+
 class CompressionState(nn.Module):
     """The tensors the compression passes read for one layer (see the module docstring)."""
 
@@ -149,7 +164,10 @@ class CompressionState(nn.Module):
         act_quant: ActQuantSpec | None = None,
         masks: dict[str, MaskSpec] | None = None,
         related: dict[str, list[str]] | None = None,
+        scores: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``scores``: the learned (``topk``) mask scores per technique, drawn by the caller in
+        DeepSpeed's order (``scores_like_deepspeed``); missing ones are drawn here."""
         super().__init__()
         self.layer_name = layer_name
         self.kind = kind
@@ -171,21 +189,22 @@ class CompressionState(nn.Module):
         for technique, spec in self.masks.items():
             self.register_buffer(f"{technique}_on", scalar(0))
             if spec.method == "topk":
-                scores = torch.empty(_scores_shape(technique, weight, spec), device=device, dtype=torch.float32)
-                nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
-                self.register_parameter(f"{technique}_scores", nn.Parameter(scores))
-            else:
+                drawn = (scores or {}).get(technique)
+                self.register_parameter(f"{technique}_scores", nn.Parameter(drawn if drawn is not None else draw_scores(technique, weight, spec)))
+            elif spec.method == "snip_momentum":
                 self.register_buffer(f"{technique}_mask", torch.ones(_mask_shape(technique, weight, spec), device=device))
-                self.register_buffer(f"{technique}_fixed", scalar(0))
-            if spec.method == "snip_momentum":
                 rows, cols = spec.block
                 flat = weight.reshape(weight.shape[0], -1)
                 self.register_buffer("sparse_snip_scores", torch.zeros(flat.shape[0] // rows, flat.shape[1] // cols, device=device))
+            else:  # l1: decided from the weights now, as DeepSpeed's enable_*_pruning does
+                self.register_buffer(f"{technique}_mask", torch.ones(_mask_shape(technique, weight, spec), device=device))
+                with torch.no_grad():
+                    getattr(self, f"{technique}_mask").copy_(self.l1_mask(technique, weight))
 
     # -- the schedule -------------------------------------------------------------------------
     @torch.no_grad()
     def set_step(self, step: int, weight: torch.Tensor) -> None:
-        """Set every switch, bit width, ratio and l1/snip mask for the forward of ``step``."""
+        """Set every switch, bit width, ratio and snip_momentum mask for the forward of ``step``."""
         wq = self.weight_quant
         if wq is not None:
             bits = wq.bits_at(step)
@@ -199,17 +218,8 @@ class CompressionState(nn.Module):
         for technique, spec in self.masks.items():
             on = spec.active(step)
             getattr(self, f"{technique}_on").fill_(1 if on else 0)
-            if not on or spec.method == "topk":
-                continue
-            fixed = getattr(self, f"{technique}_fixed")
-            if spec.method == "snip_momentum":
-                if step <= spec.offset_end and (step - spec.offset) % spec.stride == 0:
-                    self.sparse_mask.copy_(self._snip_mask(step, spec, weight))
-                continue
-            recompute = technique == "sparse" and step <= spec.offset_end
-            if recompute or not bool(fixed):
-                getattr(self, f"{technique}_mask").copy_(self.l1_mask(technique, weight))
-                fixed.fill_(1)
+            if on and spec.method == "snip_momentum" and step <= spec.offset_end and (step - spec.offset) % spec.stride == 0:
+                self.sparse_mask.copy_(self._snip_mask(step, spec, weight))
 
     def l1_mask(self, technique: str, weight: torch.Tensor) -> torch.Tensor:
         """Keep the largest-magnitude elements / rows / heads / channels (DeepSpeed's l1 scores)."""
