@@ -8,18 +8,27 @@ values DeepSpeed would reject are errors naming the key.
 
 Module matching follows DeepSpeed: each entry of ``modules`` is a regular expression searched in
 the qualified module names of ``model.named_modules()`` (``"*"``, DeepSpeed's default, matches every
-module); only modules a technique supports match (Linear, Conv2d, Embedding as below), a module
-matched by two groups of one technique is an error, and so is an entry matching nothing.
-``related_modules`` (row, head, channel pruning) pairs the j-th module matched by a related entry
-with the j-th module matched by its ``modules`` entry: the layers whose inputs shrink when
-``redundancy_clean`` removes the pruned outputs.
+module); only modules a technique supports match (Linear, Conv2d, Embedding as below), and a module
+matched by two groups of one technique is an error. An entry matching nothing is ignored, as
+DeepSpeed ignores it, with a warning naming it. ``related_modules`` (row, head, channel pruning)
+pairs the j-th module matched by a related entry with the j-th module matched by its ``modules``
+entry: the layers whose inputs shrink when ``redundancy_clean`` removes the pruned outputs; a
+related entry matching nothing is ignored (DeepSpeed's CIFAR config names ``bn1`` layers that a
+ResNet built without batch norm does not have), one matching another number of modules is an error.
 
 ``attach_compression`` (``init_compression``) works on modules, the passes on graphs: the state a
 technique needs (bit width, switches, masks, learned mask scores, calibrated ranges) must exist
 before the optimizer is built (scores are parameters it trains) and live in the model's
 ``state_dict`` (checkpoints), so each compressed layer gets a ``CompressionState`` child; the
 layers keep their class and forward, and the ``quantize``/``prune`` passes decide where in the
-captured graph the state applies.
+captured graph the state applies. The model's own calls are routed through a dscompile compile
+(``runtime/compression/direct_calls.py``), so ``model(x)`` is compressed as DeepSpeed's swapped
+layers are.
+
+As in DeepSpeed, ``init_compression`` decides ``l1`` masks from the weights it sees, and draws the
+global random numbers DeepSpeed's draws (its layer replacement initializes a fresh layer per
+compressible module; then the learned ``topk`` scores, in its order), so a seeded script picks the
+same random scores and shuffles its data the same way afterwards.
 
 What differs from DeepSpeed, on purpose:
 - ``quantize_weight_in_forward: false`` (DeepSpeed's MoQ, which rewrites the weights in place after
@@ -27,23 +36,27 @@ What differs from DeepSpeed, on purpose:
   master weights are never rounded; ``true`` uses ``target_bits`` from ``schedule_offset`` on, as in
   DeepSpeed. ``quantizer_kernel`` chooses DeepSpeed's CUDA kernel for the same formulas and changes
   nothing here.
-- l1 masks are computed from the weights when the technique switches on (DeepSpeed: at
-  ``init_compression``; the same when ``schedule_offset`` is 0); sparse l1 masks are recomputed at
-  every step up to ``schedule_offset_end`` (gradual magnitude pruning). ``head_pruning`` also
-  implements ``l1`` (DeepSpeed accepts it in the config and raises in the layer).
+- ``head_pruning`` and ``channel_pruning`` also implement ``l1`` (DeepSpeed accepts it in the config
+  and fails in the layer).
 - ``snip_momentum`` is dscompile's own implementation (DeepSpeed calls Intel Neural Compressor):
   block scores ``s <- 0.9 s + |w * grad|`` accumulated after each backward, sparsity raised on a
   cubic schedule from ``schedule_offset`` to ``schedule_offset_end`` every
   ``schedule_offset_stride`` steps, blocks of ``block_pattern`` = "RxC" rows x columns.
 - ``layer_reduction`` without a teacher model uses the model's own layers as the teacher's.
+- ``init_compression`` sets the schedule at step 0; DeepSpeed's layers switch on at its engine's
+  first forward (or ``compression_scheduler`` step). The same for scripts that build their engine
+  before computing, as DeepSpeed's examples do.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -52,8 +65,9 @@ from torch import nn
 from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileError, suggest
 from dscompile.pipeline import PassInvocation, invocation, register_config_rule
+from dscompile.runtime.compression.direct_calls import guard_layer, route_calls, unguard_layers, unroute_calls
 from dscompile.runtime.compression.scheduler import CompressionScheduler, attach_scheduler
-from dscompile.runtime.compression.state import PREPARED, ActQuantSpec, CompressionState, MaskSpec, WeightQuantSpec, state_of
+from dscompile.runtime.compression.state import PREPARED, ActQuantSpec, CompressionState, MaskSpec, WeightQuantSpec, draw_scores, state_of
 from dscompile.runtime.engine_core import register_engine_extension
 
 log = logging.getLogger("dscompile.passes.compression")
@@ -119,8 +133,8 @@ class WeightQuantizationParams:
             raise DSCompileConfigError(f"{path}.target_bits", f"must be in [1, 8] (1 binary, 2 ternary), got {self.target_bits}")
         if self.start_bits < self.target_bits:
             raise DSCompileConfigError(f"{path}.start_bits", f"({self.start_bits}) must be >= target_bits ({self.target_bits})")
-        if self.quantization_period < 1:
-            raise DSCompileConfigError(f"{path}.quantization_period", f"must be >= 1, got {self.quantization_period}")
+        if self.quantization_period < 0:  # 0 (DeepSpeed's examples): one bit less at every quantization
+            raise DSCompileConfigError(f"{path}.quantization_period", f"must be >= 0, got {self.quantization_period}")
 
 
 @dataclass
@@ -145,8 +159,9 @@ class ActivationQuantizationParams:
 
 @dataclass
 class SparsePruningShared:
-    """``block_pattern``, ``dense_ratio``, ``schedule_offset_stride`` and ``excluded_modules`` belong
-    to ``snip_momentum``; ``schedule_offset_end`` (default ``schedule_offset``) to l1 and snip_momentum."""
+    """``block_pattern``, ``dense_ratio``, ``schedule_offset_stride``, ``excluded_modules`` and
+    ``schedule_offset_end`` (default ``schedule_offset``) belong to ``snip_momentum``; DeepSpeed
+    ignores them for the other methods (a warning names them)."""
 
     enabled: bool = False
     method: Literal["l1", "topk", "snip_momentum"] = "l1"
@@ -289,7 +304,7 @@ _PARAMS: dict[str, type] = {
     "head_pruning": DenseRatioParams,
     "channel_pruning": DenseRatioParams,
 }
-_SNIP_ONLY = ("block_pattern", "dense_ratio", "schedule_offset_stride", "excluded_modules")
+_SNIP_ONLY = ("block_pattern", "dense_ratio", "schedule_offset_stride", "excluded_modules", "schedule_offset_end")
 
 
 def _non_negative(value: int, path: str) -> None:
@@ -364,15 +379,10 @@ def _parse_technique(technique: str, value: Any, path: str) -> Technique:
     shared = parse_dataclass(_SHARED[technique], shared_raw, f"{path}.shared_parameters")
     groups_raw = _expect_mapping(data.get("different_groups", {}), f"{path}.different_groups")
     groups = [_parse_group(technique, name, g, f"{path}.different_groups.{name}") for name, g in groups_raw.items()]
-    if technique == "sparse_pruning":
-        if shared.method != "snip_momentum":
-            given = [k for k in _SNIP_ONLY if k in _expect_mapping(shared_raw, f"{path}.shared_parameters")]
-            if given:
-                raise DSCompileConfigError(f"{path}.shared_parameters.{given[0]}", f"is a snip_momentum setting; method is {shared.method!r}")
-            if shared.method == "topk" and shared.schedule_offset_end != shared.schedule_offset:
-                raise DSCompileConfigError(
-                    f"{path}.shared_parameters.schedule_offset_end", "topk learns its mask scores for the whole run", "leave schedule_offset_end out for topk"
-                )
+    if technique == "sparse_pruning" and shared.method != "snip_momentum":
+        for key in (k for k in _SNIP_ONLY if k in _expect_mapping(shared_raw, f"{path}.shared_parameters")):
+            log.warning("%s.shared_parameters.%s is ignored: a snip_momentum setting, and method is %r (DeepSpeed ignores it too)", path, key, shared.method)
+        shared.schedule_offset_end = shared.schedule_offset
     needs_groups = not (technique == "sparse_pruning" and shared.method == "snip_momentum")
     if shared.enabled and needs_groups and not groups:
         raise DSCompileConfigError(f"{path}.different_groups", f"{technique} is enabled, so different_groups must name the modules it applies to")
@@ -433,7 +443,7 @@ def _compression_engine_extension(config: Any) -> Any:
     section = compression_of(config)
     if section is None or not section.any_enabled:
         return None
-    return CompressionExtension(lambda model: prepare_model(model, section))
+    return CompressionExtension(lambda model: prepare_model(model, section, call_options=direct_call_options(config.raw)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,15 +472,15 @@ class ModuleAssignment:
     related: list[str] = field(default_factory=list)
 
 
-def _no_match(model: nn.Module, pattern: str, kinds: tuple[type[nn.Module], ...], path: str) -> DSCompileConfigError:
+def _describe_kinds(model: nn.Module, kinds: tuple[type[nn.Module], ...]) -> str:
     names = [n for n, m in model.named_modules() if n and isinstance(m, kinds)]
-    kind_names = "/".join(k.__name__ for k in kinds)
     sample = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-    return DSCompileConfigError(path, f"pattern {pattern!r} matches no {kind_names} module", f"{kind_names} modules here: {sample or 'none'}")
+    return f"{'/'.join(k.__name__ for k in kinds)} modules here: {sample or 'none'}"
 
 
 def assign_modules(model: nn.Module, section: CompressionConfig) -> list[ModuleAssignment]:
-    """Every (technique, module) pair the enabled techniques of ``section`` apply to."""
+    """Every (technique, module) pair the enabled techniques of ``section`` apply to, in DeepSpeed's
+    order: techniques, then groups, then ``modules`` entries, then ``named_modules`` order."""
     result: list[ModuleAssignment] = []
     for technique in section.enabled_techniques():
         entry = section.technique(technique)
@@ -488,7 +498,9 @@ def assign_modules(model: nn.Module, section: CompressionConfig) -> list[ModuleA
                 if technique == "sparse_pruning" and entry.shared.method == "snip_momentum":
                     names = [n for n in names if not any(pattern_matches(p, n) for p in entry.shared.excluded_modules)]
                 if not names:
-                    raise _no_match(model, pattern, kinds, f"{base}.{group.name}.modules")
+                    log.warning("%s.%s.modules: pattern %r matches no module, ignored as DeepSpeed ignores it (%s)", base, group.name, pattern,
+                                _describe_kinds(model, kinds))  # fmt: skip
+                    continue
                 for name in names:
                     if name in taken:
                         raise DSCompileConfigError(
@@ -500,6 +512,10 @@ def assign_modules(model: nn.Module, section: CompressionConfig) -> list[ModuleA
                 related_lists: list[list[str]] = []
                 for related_pattern in (group.related_modules or [[]] * len(group.modules))[index]:
                     related_names = matching_modules(model, related_pattern, RELATED_KINDS[technique])
+                    if not related_names:
+                        log.warning("%s.%s.related_modules: pattern %r matches no module, ignored as DeepSpeed ignores it (%s)", base, group.name,
+                                    related_pattern, _describe_kinds(model, RELATED_KINDS[technique]))  # fmt: skip
+                        continue
                     if len(related_names) != len(names):
                         raise DSCompileConfigError(
                             f"{base}.{group.name}.related_modules",
@@ -614,16 +630,36 @@ def _merge_tied(state: CompressionState, name: str, wq: WeightQuantSpec | None, 
     state.sharers.append(name)
 
 
+def draw_like_deepspeed_replacement(model: nn.Module) -> None:
+    """Draw the global random numbers DeepSpeed's ``init_compression`` draws before its scores.
+
+    DeepSpeed replaces every Linear, Conv2d, Embedding and BatchNorm2d of the model by its own
+    compressing subclass, built fresh (its initializers draw, then the old weights are copied in).
+    The same draws here keep a seeded script's random stream where DeepSpeed leaves it: the learned
+    scores drawn next, and the data order of a loader shuffled afterwards, match.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                torch.empty(module.weight.shape).uniform_()  # kaiming_uniform_ draws as uniform_ does
+                if module.bias is not None:
+                    torch.empty(module.bias.shape).uniform_()
+            elif isinstance(module, nn.Embedding):
+                torch.empty(module.weight.shape).normal_()
+
+
 def attach_compression(model: nn.Module, section: CompressionConfig) -> list[CompressionState]:
     """Give every layer an enabled technique matches its ``CompressionState`` (``init_compression``).
 
     The layers keep their class and forward: the compression passes find the state from the
     weight in the captured graph. Returns the states, in module order.
     """
+    assignments = assign_modules(model, section)
+    draw_like_deepspeed_replacement(model)
     plans: dict[str, dict[str, Any]] = {}
-    for a in assign_modules(model, section):
+    for a in assignments:  # DeepSpeed's order, which is the order its learned scores are drawn in
         module = model.get_submodule(a.module)
-        plan = plans.setdefault(a.module, {"wq": None, "aq": None, "masks": {}, "related": {}})
+        plan = plans.setdefault(a.module, {"wq": None, "aq": None, "masks": {}, "related": {}, "scores": {}})
         if a.technique == "weight_quantization":
             plan["wq"] = _weight_quant_spec(a, module)
         elif a.technique == "activation_quantization":
@@ -633,6 +669,8 @@ def attach_compression(model: nn.Module, section: CompressionConfig) -> list[Com
         else:
             spec = _mask_spec(a, module)
             plan["masks"][spec.technique] = spec
+            if spec.method == "topk":
+                plan["scores"][spec.technique] = draw_scores(spec.technique, module.weight, spec)
             if a.related:
                 plan["related"][spec.technique] = list(a.related)
     states: list[CompressionState] = []
@@ -644,29 +682,45 @@ def attach_compression(model: nn.Module, section: CompressionConfig) -> list[Com
         existing = state_of(weight)
         if existing is not None:
             _merge_tied(existing, name, plan["wq"], plan["aq"], plan["masks"])
+            guard_layer(module)
             continue
-        state = CompressionState(name, _kind(module), weight, plan["wq"], plan["aq"], plan["masks"], plan["related"])
+        state = CompressionState(name, _kind(module), weight, plan["wq"], plan["aq"], plan["masks"], plan["related"], plan["scores"])
         module.ds_compression = state
         weight.ds_compression = state
+        guard_layer(module)
         states.append(state)
     mark_prepared(model)
     return states
 
 
-def prepare_model(model: nn.Module, section: CompressionConfig, teacher: nn.Module | None = None) -> CompressionScheduler:
+def direct_call_options(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The compile options of the prepared model's own calls: its ``compression_training`` section and
+    dscompile's lowering keys of the same config (precision, ZeRO and the rest belong to an engine)."""
+    options = {SECTION: raw.get(SECTION, {})}
+    options.update({key: raw[key] for key in ("lower", "debug", "dump", "partitioner") if key in raw})
+    return options
+
+
+def prepare_model(
+    model: nn.Module, section: CompressionConfig, teacher: nn.Module | None = None, call_options: Mapping[str, Any] | None = None
+) -> CompressionScheduler:
     """``init_compression``'s work, shared with the engine: layer reduction (the chosen teacher layers'
-    weights copied in; without ``teacher`` the model's own), every matched layer's state, and the
-    model's scheduler set for step 0."""
+    weights copied in; without ``teacher`` the model's own), every matched layer's state, the model's
+    scheduler (nothing switched on yet) and, with ``call_options``, the model's own calls routed
+    through a dscompile compile with those options."""
     if section.layer_reduction.enabled:
         from dscompile.passes.layer_reduction import reduce_layers  # a sibling that imports this module
 
         reduce_layers(model, teacher, section.layer_reduction)
-    attach_compression(model, section)
+    states = attach_compression(model, section)
+    if states and call_options is not None:
+        route_calls(model, dict(call_options))
     return attach_scheduler(model)
 
 
 def detach_compression(model: nn.Module) -> None:
-    """Remove every ``CompressionState`` (after ``redundancy_clean`` baked them into the layers)."""
+    """Remove every ``CompressionState``, its guards and the call routing (after ``redundancy_clean``
+    baked them into the layers)."""
     for module in list(model.modules()):
         state = getattr(module, "ds_compression", None)
         if isinstance(state, CompressionState):
@@ -675,6 +729,27 @@ def detach_compression(model: nn.Module) -> None:
         for attribute in ("ds_compression", PREPARED):
             if hasattr(p, attribute):
                 delattr(p, attribute)
+    unguard_layers(model)
+    unroute_calls(model)
+
+
+def read_deepspeed_config(deepspeed_config: Any) -> dict[str, Any]:
+    """A ds_config given as a path, a dict or a DSConfig, as the dict its keys came from."""
+    from dscompile.config import DSConfig
+
+    if isinstance(deepspeed_config, DSConfig):
+        return dict(deepspeed_config.raw)
+    if isinstance(deepspeed_config, (str, os.PathLike)):
+        path = Path(deepspeed_config)
+        if not path.is_file():
+            raise DSCompileConfigError("deepspeed_config", f"file {str(path)!r} does not exist", "pass a ds_config.json path or a dict")
+        try:
+            deepspeed_config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DSCompileConfigError("deepspeed_config", f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(deepspeed_config, Mapping):
+        raise DSCompileConfigError("deepspeed_config", f"expected a dict or a path to a JSON file, got {type(deepspeed_config).__name__}")
+    return dict(deepspeed_config)
 
 
 # ---------------------------------------------------------------------------------------------
