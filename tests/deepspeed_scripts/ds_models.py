@@ -108,6 +108,38 @@ class Tower(nn.Module):
         return self.head(h)
 
 
+class ResidualBlock(nn.Module):
+    """A ResNet basic block (DeepSpeed's CIFAR compression example prunes ``conv1``'s output channels)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(out)))
+
+
+class ResidualNet(nn.Module):
+    """A two-block ResNet for 8x8 images: stem, ``layer1`` (named as in DeepSpeed's CIFAR example), average pool, classifier."""
+
+    def __init__(self, width: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+        self.layer1 = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.fc = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(x)))
+        for block in self.layer1:
+            x = block(x)
+        return self.fc(x.mean(dim=(2, 3)))
+
+
 def vector_dataset(samples: int = 64, width: int = 16, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(samples, width, generator=g), torch.randint(0, CLASSES, (samples,), generator=g))
