@@ -184,6 +184,12 @@ def _update_head_counts(model: nn.Module, related: str, old_heads: int, new_head
 
 
 def _replacement(layer: CleanLayer) -> nn.Module:
+    """The cleaned module, in the train/eval mode of the one it replaces (a BatchNorm built fresh would
+    otherwise normalize an evaluated model with batch statistics)."""
+    return _built(layer).train(layer.module.training)
+
+
+def _built(layer: CleanLayer) -> nn.Module:
     module = layer.module
     if isinstance(module, nn.BatchNorm2d):
         new = nn.BatchNorm2d(layer.weight.shape[0], module.eps, module.momentum, module.affine, module.track_running_stats)

