@@ -355,13 +355,16 @@ def test_config_without_init_compression_is_an_error() -> None:
         compile_(make(), cfg)(IDS)
 
 
-def test_prepared_model_is_unchanged_outside_dscompile_graphs() -> None:
-    """The state is inert: compression happens in compiled graphs (eager runs the float model)."""
+def test_prepared_model_called_directly_runs_the_compressed_graph() -> None:
+    """As DeepSpeed's swapped layers, the prepared model's own call is compressed: it runs through the
+    same passes as a dscompile compile of the model."""
     cfg = section(weight_quantization=weight_quant(["fc"], 4, 4))
     model, ref_model = make(), make()
     init_compression(model, cfg)
     with torch.no_grad():
-        torch.testing.assert_close(model(IDS), ref_model(IDS))
+        direct = model(IDS)
+        torch.testing.assert_close(direct, compile_(model, cfg)(IDS))
+        assert not torch.allclose(direct, ref_model(IDS), atol=1e-4)
     with pytest.raises(DSCompileConfigError, match="already prepared"):
         init_compression(model, cfg)
 

@@ -4,6 +4,8 @@ follows DeepSpeed's MoQ schedule at the configured steps, without recompiling.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -29,8 +31,9 @@ CONFIG = {
 EXPECTED_BITS = {0: None, 1: None, 2: 8, 3: 8, 4: 7, 6: 7, 7: 6, 12: 6, 13: 5, 20: 5}
 
 
-def reference_loss(model: nn.Module, step: int, bits: int | None, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
-    """The same step in eager: quantized weights of the matched layers, quantized fc inputs."""
+def reference_loss(model: nn.Module, plain: nn.Module, step: int, bits: int | None, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+    """The same step in eager: ``plain`` (an unprepared copy: the prepared model's own calls are
+    compressed) with ``model``'s weights, quantized in the matched layers, and quantized fc inputs."""
     params = dict(model.named_parameters())
     replaced = dict(params)
     if bits is not None:
@@ -39,12 +42,12 @@ def reference_loss(model: nn.Module, step: int, bits: int | None, inputs: tuple,
                 replaced[name] = fake_quantize(p.detach(), bits, 4)
     handles = []
     if step >= 4:
-        for name, module in model.named_modules():
+        for name, module in plain.named_modules():
             if name.endswith(".fc"):
                 handles.append(module.register_forward_pre_hook(lambda m, args: (activation_values(args[0], bits=8, symmetric=True, per="token"),)))
     try:
         with torch.no_grad():
-            return functional_call(model, replaced, (*inputs, targets))
+            return functional_call(plain, replaced, (*inputs, targets))
     finally:
         for h in handles:
             h.remove()
@@ -61,6 +64,7 @@ def test_qat_trains_with_the_bit_schedule(name: str, monkeypatch: pytest.MonkeyP
 
     case = build(name, d_model=32, n_layers=2)
     model = case.model
+    plain = copy.deepcopy(model)
     init_compression(model, CONFIG)
     scheduler = get_compression_scheduler(model)
     compiled = torch.compile(model, backend="dscompile", options=CONFIG)
@@ -74,7 +78,7 @@ def test_qat_trains_with_the_bit_schedule(name: str, monkeypatch: pytest.MonkeyP
             assert bits == EXPECTED_BITS[step], (step, bits)
         loss = compiled(*inputs, targets)
         if step in (1, 4, 13):  # the compiled graph really runs at the scheduled bits
-            torch.testing.assert_close(loss.detach(), reference_loss(model, step, bits, inputs, targets), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(loss.detach(), reference_loss(model, plain, step, bits, inputs, targets), rtol=1e-5, atol=1e-5)
         loss.backward()
         scheduler.after_backward()
         optimizer.step()
