@@ -720,17 +720,19 @@ def prepare_model(
 
 def detach_compression(model: nn.Module) -> None:
     """Remove every ``CompressionState``, its guards and the call routing (after ``redundancy_clean``
-    baked them into the layers)."""
+    baked them into the layers). The parameters keep the prepared mark: compiled again with its
+    config (DeepSpeed's BERT example evaluates through its engine after ``redundancy_clean``), the
+    cleaned model computes its baked layers instead of being refused as never prepared."""
     for module in list(model.modules()):
         state = getattr(module, "ds_compression", None)
         if isinstance(state, CompressionState):
             del module.ds_compression
     for p in model.parameters():
-        for attribute in ("ds_compression", PREPARED):
-            if hasattr(p, attribute):
-                delattr(p, attribute)
+        if hasattr(p, "ds_compression"):
+            delattr(p, "ds_compression")
     unguard_layers(model)
     unroute_calls(model)
+    mark_prepared(model)
 
 
 def read_deepspeed_config(deepspeed_config: Any) -> dict[str, Any]:

@@ -289,6 +289,8 @@ def test_compressed_layers_refuse_calls_that_would_be_dense() -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(x), compressed, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(copy.deepcopy(model)(x), compressed, rtol=1e-5, atol=1e-5)
+        # compiled again with its config (an engine's forward after redundancy_clean), the cleaned model computes itself
+        torch.testing.assert_close(torch.compile(model, backend="dscompile", options=MLP_CONFIG)(x), compressed, rtol=1e-5, atol=1e-5)
 
 
 def test_init_compression_draws_the_random_numbers_deepspeeds_draws() -> None:

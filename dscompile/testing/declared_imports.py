@@ -29,6 +29,7 @@ PACKAGES = (
     "dscompile.runtime",
     "dscompile.runtime.onebit",
     "dscompile.runtime.compression",
+    "dscompile.compression",
     "dscompile.runtime.offload",
     "dscompile.runtime.zero",
     "dscompile.runtime.inference",
