@@ -19,7 +19,6 @@ work is done in ``dscompile.passes.compression``, ``layer_reduction``, ``redunda
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from dscompile.config import DSConfig
+from dscompile.config import DSConfig, read_json_config
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.passes.compression import SECTION, CompressionConfig, parse_compression, prepare_model
 from dscompile.passes.redundancy_clean import clean_model
@@ -49,13 +48,7 @@ def _section(deepspeed_config: Any) -> CompressionConfig:
         parsed = deepspeed_config.sections.get(SECTION)
         return parsed if parsed is not None else parse_compression({})
     if isinstance(deepspeed_config, (str, os.PathLike)):
-        path = Path(deepspeed_config)
-        if not path.is_file():
-            raise DSCompileConfigError("deepspeed_config", f"file {str(path)!r} does not exist", "pass a ds_config.json path or a dict")
-        try:
-            deepspeed_config = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DSCompileConfigError("deepspeed_config", f"{path} is not valid JSON: {exc}") from None
+        deepspeed_config = read_json_config(Path(deepspeed_config), "deepspeed_config")
     if not isinstance(deepspeed_config, Mapping):
         raise DSCompileConfigError("deepspeed_config", f"expected a dict or a path to a JSON file, got {type(deepspeed_config).__name__}")
     return parse_compression(deepspeed_config.get(SECTION, {}))
