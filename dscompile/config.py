@@ -9,7 +9,9 @@ of being ignored. Capability modules add their own sections with ``register_sect
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import math
 import os
 import typing
 from collections.abc import Callable, Mapping
@@ -20,6 +22,63 @@ from typing import Any, Literal, get_args, get_origin
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
 
 LowerName = Literal["eager", "inductor", "triton"]
+
+UNFILLED_AUTO = (
+    'is "auto", which Hugging Face\'s Trainer and Accelerate replace with a value from their own arguments before DeepSpeed reads '
+    "the config; it reached dscompile unfilled",
+    "write the value here, or hand the config to the Trainer (TrainingArguments(deepspeed=...)) or Accelerate, which fill it",
+)
+"""Why a raw ``"auto"`` is refused, and the fix (every numeric or boolean key says the same)."""
+
+
+def refuse_unfilled_auto(path: str, value: Any) -> None:
+    """An ``"auto"`` that no Trainer filled in: refused naming the key, never compared with a number."""
+    if isinstance(value, str) and value == "auto":
+        raise DSCompileConfigError(path, *UNFILLED_AUTO)
+
+
+def refuse_non_finite(path: str, value: Any) -> None:
+    """inf and NaN make every parameter inf or NaN at the first step: refused before anything is built."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DSCompileConfigError(path, f"must be a finite number, got {value!r}")
+
+
+def check_hyperparameters(path: str, params: Mapping[str, Any], fn: Callable[..., Any]) -> None:
+    """Check an optimizer's or scheduler's ``params`` before they reach its constructor ``fn``: an unfilled
+    ``"auto"``, a string or bool where ``fn`` takes a number, and inf/NaN are refused naming ``path.key``
+    (the constructor would fail comparing a str with a float, or step to inf). A list value (per group,
+    or betas) is checked entry by entry."""
+    numeric = numeric_parameters(fn)
+    for key, value in params.items():
+        where = f"{path}.{key}"
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            refuse_unfilled_auto(where, item)
+            if key in numeric and isinstance(item, (str, bool)):
+                raise DSCompileConfigError(where, f"expected a number, got {value!r}")
+            refuse_non_finite(where, item)
+
+
+def numeric_parameters(fn: Callable[..., Any]) -> set[str]:
+    """The parameters of ``fn`` that take numbers: a number (or a tuple of them) as default, or int/float in the type hint."""
+    try:
+        hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+    except Exception:  # a hint naming something not importable here: fall back to the defaults
+        hints = {}
+    numeric = set()
+    for name, parameter in inspect.signature(fn).parameters.items():
+        default = parameter.default
+        defaults = default if isinstance(default, tuple) and default else (default,)
+        if all(_is_number(d) for d in defaults) or _hint_takes_number(hints.get(name)):
+            numeric.add(name)
+    return numeric
+
+
+def _hint_takes_number(hint: Any) -> bool:
+    return hint in (int, float) or any(_hint_takes_number(arg) for arg in get_args(hint))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_dataclass(cls: type, data: Any, path: str) -> Any:
@@ -95,6 +154,8 @@ def parse_value(value: Any, annotation: Any, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise DSCompileConfigError(path, f"expected a JSON object, got {type(value).__name__}")
         return dict(value)
+    if annotation in (bool, int, float):
+        refuse_unfilled_auto(path, value)
     if annotation is bool:
         if not isinstance(value, bool):
             raise DSCompileConfigError(path, f"expected true or false, got {value!r}")
@@ -106,6 +167,7 @@ def parse_value(value: Any, annotation: Any, path: str) -> Any:
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise DSCompileConfigError(path, f"expected a number, got {value!r}")
+        refuse_non_finite(path, float(value))
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -292,7 +354,7 @@ def _read_source(source: Any) -> dict[str, Any]:
     if source is None:
         return {}
     if isinstance(source, (str, os.PathLike)):
-        return _read_json(Path(source), "config")
+        return read_json_config(Path(source), "config")
     if not isinstance(source, Mapping):
         raise DSCompileConfigError("<config>", f"expected a dict or a path to a JSON file, got {type(source).__name__}")
     data = dict(source)
@@ -301,7 +363,7 @@ def _read_source(source: Any) -> dict[str, Any]:
         if isinstance(base, Mapping):
             merged = dict(base)
         elif isinstance(base, (str, os.PathLike)):
-            merged = _read_json(Path(base), "config")
+            merged = read_json_config(Path(base), "config")
         else:
             raise DSCompileConfigError("config", "expected a path to a ds_config.json or a dict")
         merged.update(data)  # keys given beside "config" override the file's
@@ -309,7 +371,10 @@ def _read_source(source: Any) -> dict[str, Any]:
     return data
 
 
-def _read_json(path: Path, key: str) -> dict[str, Any]:
+def read_json_config(path: Path, key: str) -> dict[str, Any]:
+    """The JSON object in the ds_config file ``path`` (given as config key ``key``), or an error naming the key."""
+    if path.is_dir():
+        raise DSCompileConfigError(key, f"{str(path)!r} is a directory, not a file", "pass the path of a ds_config.json file in it")
     if not path.is_file():
         raise DSCompileConfigError(key, f"file {str(path)!r} does not exist", "pass the path of a ds_config.json")
     try:
@@ -340,6 +405,8 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         if key in _SECTIONS:
             spec = _SECTIONS[key]
             if spec.parser is None:
+                if isinstance(value, Mapping):
+                    refuse_unfilled_auto(f"{key}.enabled", value.get("enabled"))
                 if spec.is_disabled(value):
                     continue
                 raise DSCompileNotSupportedError(key, spec.capability)

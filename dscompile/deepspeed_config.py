@@ -187,7 +187,7 @@ def _check_torch_autocast(path: str, section: Mapping[str, Any]) -> None:
         raise DSCompileConfigError(f"{path}.dtype", f"{dtype!r} is not an autocast dtype", "use torch.bfloat16 or torch.float16")
     _refuse_when(
         f"{path}.lower_precision_safe_modules",
-        section.get("lower_precision_safe_modules") is not None,
+        bool(section.get("lower_precision_safe_modules")),  # DeepSpeed's default, [], chooses none
         "choosing which modules' gradients are reduced in the autocast dtype",
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import time
 import typing
@@ -305,6 +306,8 @@ def coerce_value(value: Any, annotation: Any, where: str) -> Any:
         raise DSCompilePipelineError(f"{where}: expected an integer, got {value!r}")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise DSCompilePipelineError(f"{where}: must be a finite number, got {value!r}")
             return float(value)
         raise DSCompilePipelineError(f"{where}: expected a number, got {value!r}")
     if annotation is str:

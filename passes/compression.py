@@ -50,7 +50,6 @@ What differs from DeepSpeed, on purpose:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -62,7 +61,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dscompile.config import parse_dataclass, register_section
+from dscompile.config import DSConfig, parse_dataclass, read_json_config, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileError, suggest
 from dscompile.pipeline import PassInvocation, invocation, register_config_rule
 from dscompile.runtime.compression.direct_calls import guard_layer, route_calls, unguard_layers, unroute_calls
@@ -737,18 +736,10 @@ def detach_compression(model: nn.Module) -> None:
 
 def read_deepspeed_config(deepspeed_config: Any) -> dict[str, Any]:
     """A ds_config given as a path, a dict or a DSConfig, as the dict its keys came from."""
-    from dscompile.config import DSConfig
-
     if isinstance(deepspeed_config, DSConfig):
         return dict(deepspeed_config.raw)
     if isinstance(deepspeed_config, (str, os.PathLike)):
-        path = Path(deepspeed_config)
-        if not path.is_file():
-            raise DSCompileConfigError("deepspeed_config", f"file {str(path)!r} does not exist", "pass a ds_config.json path or a dict")
-        try:
-            deepspeed_config = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DSCompileConfigError("deepspeed_config", f"{path} is not valid JSON: {exc}") from None
+        deepspeed_config = read_json_config(Path(deepspeed_config), "deepspeed_config")
     if not isinstance(deepspeed_config, Mapping):
         raise DSCompileConfigError("deepspeed_config", f"expected a dict or a path to a JSON file, got {type(deepspeed_config).__name__}")
     return dict(deepspeed_config)

@@ -136,6 +136,38 @@ def cifar_reference(clip: float) -> list[float]:
     return data_parallel_reference(ds_models.Net(), ds_models.image_dataset(), CIFAR_MICRO, clip)
 
 
+# bf16 runs train with SGD and momentum: its update is linear in the gradients, so comparing updates
+# compares gradients (AdamW's first, sign-like steps turn bf16 rounding of small gradients into whole-lr
+# differences against fp32).
+BF16_SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+
+
+def cifar_bf16_reference(autocast: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final weights of the bf16 runs' optimizer in plain PyTorch: in fp32, or under CPU autocast
+    to bf16 with the bf16 inputs the script hands the engine (DeepSpeed's 16-bit convention)."""
+    torch.manual_seed(0)
+    model = ds_models.Net()
+    opt = torch.optim.SGD(model.parameters(), **BF16_SGD["params"])
+    batches = _rank_batches(ds_models.image_dataset(), CIFAR_MICRO)
+    losses = []
+    for step in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outputs = [(model(x.to(torch.bfloat16) if autocast else x), y) for x, y in (b[step] for b in batches)]
+        loss = sum(nn.functional.cross_entropy(out.float(), y) for out, y in outputs) / WORLD
+        loss.backward()
+        _clip_step(model, opt, 1.0)
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def relative_updates(weights: dict[str, list[float]], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter, |Δgot - Δwant| / |Δwant|, Δ = final - initial weights (Net() under seed 0): 1.0 for an optimizer that never steps."""
+    torch.manual_seed(0)
+    start = {n: p.detach() for n, p in ds_models.Net().named_parameters()}
+    got = {n: torch.tensor(v).reshape(want[n].shape) for n, v in weights.items()}
+    return {n: float(((got[n] - start[n]) - (want[n] - start[n])).norm() / (want[n] - start[n]).norm()) for n in want}
+
+
 def tower_reference(clip: float, bias: float | None = None) -> tuple[list[float], dict[str, float]]:
     torch.manual_seed(0)
     model = ds_models.Tower()
@@ -242,6 +274,7 @@ def cifar_config(stage: int, bf16: bool = False) -> dict:
     config = {"train_micro_batch_size_per_gpu": CIFAR_MICRO, "optimizer": ADAMW, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
     if bf16:
         config["bf16"] = {"enabled": True}
+        config["optimizer"] = BF16_SGD
     return config
 
 
@@ -294,7 +327,11 @@ def test_image_classification_bf16_with_engine_accessors(run, stage):
     """The tutorial's idiom: placement and precision from the engine's accessors, bf16 inputs into
     the engine (DeepSpeed's 16-bit convention), bf16 outputs upcast for the loss."""
     result = run("cifar.py", cifar_config(stage, bf16=True), "--engine-api")
-    assert_losses(result["losses"], cifar_reference(1.0), 2e-2, f"bf16 ZeRO-{stage}")
+    fp32_losses, _ = cifar_bf16_reference(autocast=False)
+    assert_losses(result["losses"], fp32_losses, 2e-2, f"bf16 ZeRO-{stage} against fp32")
+    # the updates against autocast's at the bf16 gradient tolerance (test_mixed_precision): a run at lr=0 is 1.0 off
+    errors = relative_updates(result["weights"], cifar_bf16_reference(autocast=True)[1])
+    assert max(errors.values()) <= 5e-2, errors
 
 
 def test_pipeline_cnn_with_pipeline_module_and_train_batch(run):

@@ -121,17 +121,21 @@ def nccl_one_rank() -> object:
 
 
 def test_zero3_bf16_step_with_nccl_matches_autocast(nccl_one_rank: object) -> None:
-    """One NCCL rank: every collective buffer the engine builds must be on the GPU (a CPU one fails here)."""
+    """One NCCL rank: every collective buffer the engine builds must be on the GPU (a CPU one fails here).
+    Losses within 2e-2 of autocast's and each parameter's update within 5e-2 (an optimizer that never
+    steps is 1.0 off; the losses alone stayed within 2.1e-3 of autocast's then). SGD with momentum: its
+    update is linear in the gradients, where AdamW's sign-like first steps magnify bf16 rounding."""
     case, ref_case = _case(), _case()
+    start = {n: p.detach().clone() for n, p in ref_case.model.named_parameters()}
     config = {
         "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "bf16": {"enabled": True},
         "gradient_clipping": 1.0,
     }
     engine, *_ = dscompile.initialize(model=case.model, config=config)
-    ref_opt = torch.optim.AdamW(ref_case.model.parameters(), lr=1e-3, weight_decay=0.0)
+    ref_opt = torch.optim.SGD(ref_case.model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         batch = make_batch(case, seed=step)
         loss = engine(*batch)
@@ -145,3 +149,9 @@ def test_zero3_bf16_step_with_nccl_matches_autocast(nccl_one_rank: object) -> No
         ref_opt.zero_grad(set_to_none=True)
         assert abs(float(loss) - float(ref_loss)) <= 2e-2 * abs(float(ref_loss)), (step, float(loss), float(ref_loss))
     assert engine.skipped_steps == 0
+    got = engine.full_parameters()
+    errors = {}
+    for name, p in ref_case.model.named_parameters():
+        want = p.detach() - start[name]
+        errors[name] = float(((got[name].to(want.device) - start[name]) - want).norm() / want.norm())
+    assert max(errors.values()) <= 5e-2, errors

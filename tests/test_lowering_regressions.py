@@ -91,21 +91,34 @@ def one_rank_group() -> object:
         dist.destroy_process_group()
 
 
+def relative_updates(start: dict[str, torch.Tensor], got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter, |Δgot - Δwant| / |Δwant| with Δ = final - start: 1.0 when an optimizer never steps."""
+    return {n: float(((got[n] - start[n]) - (want[n] - start[n])).norm() / (want[n] - start[n]).norm()) for n in start}
+
+
+# SGD with momentum: its update is linear in the gradients, so comparing updates compares the
+# gradients at bf16's gradient tolerance (test_mixed_precision: 5e-2, relative). Adam's sign-like
+# first steps turn bf16 rounding of near-zero gradients into whole-lr differences.
+BF16_UPDATE_RTOL = 5e-2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_zero_trains_under_inductor(stage: int, one_rank_group: object) -> None:
-    """ZeRO-2/3 + bf16 under the default lowering, 5 steps, against autocast (bf16 tolerances of test_mixed_precision)."""
+    """ZeRO-2/3 + bf16 under the default lowering, 5 steps, against autocast: losses within 2e-2 and each
+    parameter's update within 5e-2 (bf16 tolerances of test_mixed_precision; an optimizer that never steps is 1.0 off)."""
     kw = {"seq_len": 8, "d_model": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 40, "bias": False}
     case, ref_case = build("gpt", seed=3, batch_size=2, **kw), build("gpt", seed=3, batch_size=2, **kw)
+    start = {n: p.detach().clone() for n, p in ref_case.model.named_parameters()}
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "bf16": {"enabled": True},
         "lower": "inductor",
     }
     engine, *_ = dscompile.initialize(model=case.model, config=config)
-    ref_opt = torch.optim.AdamW(ref_case.model.parameters(), lr=3e-3, weight_decay=0.0)
+    ref_opt = torch.optim.SGD(ref_case.model.parameters(), lr=0.1, momentum=0.9)
     for step in range(5):
         batch = make_batch(case, seed=100 + step)
         loss = engine(*batch)
@@ -117,3 +130,5 @@ def test_bf16_zero_trains_under_inductor(stage: int, one_rank_group: object) -> 
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item()), (step, loss.item(), ref_loss.item())
+    errors = relative_updates(start, engine.full_parameters(), {n: p.detach() for n, p in ref_case.model.named_parameters()})
+    assert max(errors.values()) <= BF16_UPDATE_RTOL, errors

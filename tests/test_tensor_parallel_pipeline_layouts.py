@@ -2,7 +2,7 @@
 
 - a checkpoint of TP=2 × 2 stages resumed as TP=1 × 2 stages (× 2 data-parallel replicas) and the reverse, weights and
   AdamW's moments joined from the saved TP ranks and cut to the loading layout (whose stage partition differs too: the
-  TP graph has its collectives): one more batch on both sides agrees within 1e-5 relative;
+  TP graph has its collectives): one more batch on both sides agrees within 1e-7 relative (parameters 8e-8);
 - bf16 at TP=2 × 2 stages (default Inductor lowering) against the single-process fp32 run, with a bf16 tolerance;
 - Megatron-DeepSpeed's ``PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)`` given to a ``PipelineModule``:
   dscompile's graph-found TP runs inside its two stages, trained like one process.
@@ -178,11 +178,13 @@ def test_tp_pipeline_checkpoints_across_tp_sizes_bf16_and_deepspeed_topology(tmp
     for key in ("down", "up"):
         saver, loaded = _union(ranks, key, "saver"), _union(ranks, key, "loaded")
         assert saver.keys() == loaded.keys() and len(saver) == 2 + 9 * LLAMA["n_layers"] + 1, sorted(saver)
+        # docs/tensor-parallelism.md: the loaded engine continues within 1e-7, one more AdamW batch's parameters within
+        # 8e-8 relative of the saving engine (measured 5.6e-8 down, 4.9e-8 up; the losses equal)
         errs = {n: _rel(loaded[n], saver[n]) for n in saver}
-        assert max(errs.values()) <= 1e-5, (key, sorted(errs.items(), key=lambda e: -e[1])[:3])
+        assert max(errs.values()) <= 8e-8, (key, sorted(errs.items(), key=lambda e: -e[1])[:3])
         for r in ranks:
             got, want = r["across"][key]["losses"][1], r["across"][key]["losses"][0]
-            assert abs(got - want) <= 1e-5 * abs(want), (key, r["across"][key]["losses"])
+            assert abs(got - want) <= 1e-7 * abs(want), (key, r["across"][key]["losses"])
             assert r["across"][key]["steps"] == ((3, 3) if key == "down" else (4, 4)), r["across"][key]["steps"]
     bounds = ranks[0]["across"]["down"]["bounds"]
     assert bounds[0] != bounds[1], bounds  # the TP graph is cut elsewhere: parameters change stage, found by name

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dscompile.config import OptimizerConfig
+from dscompile.config import OptimizerConfig, check_hyperparameters
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
 from dscompile.runtime.onebit import OPTIMIZERS as ONEBIT_OPTIMIZERS
 
@@ -70,6 +70,7 @@ def build_optimizer(section: OptimizerConfig, params: Iterable[Any]) -> torch.op
             raise DSCompileConfigError(
                 f"optimizer.params.{key}", f"is not a parameter of {cls.__name__}", suggest(key, accepted) or f"valid: {', '.join(accepted)}"
             )
+    check_hyperparameters("optimizer.params", kwargs, cls)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     try:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dscompile.config import SchedulerConfig
+from dscompile.config import SchedulerConfig, check_hyperparameters
 from dscompile.errors import DSCompileConfigError, suggest
 
 log = logging.getLogger("dscompile.runtime.schedulers")
@@ -392,6 +392,7 @@ def build_scheduler(section: SchedulerConfig, optimizer: torch.optim.Optimizer) 
     for key in section.params:
         if key not in accepted:
             raise DSCompileConfigError(f"scheduler.params.{key}", f"is not a parameter of {section.type}", suggest(key, accepted))
+    check_hyperparameters("scheduler.params", section.params, cls)
     missing = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty and name != "optimizer" and name not in section.params]
     if missing:
         raise DSCompileConfigError(f"scheduler.params.{missing[0]}", f"{section.type} needs it", f"add \"{missing[0]}\" to scheduler.params")

@@ -54,4 +54,7 @@ for step, data in enumerate(trainloader):
     losses.append(mean.item() / deepspeed.comm.get_world_size())
     if deepspeed.comm.get_rank() == 0:
         print(f"step {step} loss {losses[-1]:.6f}", flush=True)
-report(args.out, {"losses": losses})
+# the trained weights, gathered where ZeRO-3 partitioned them (the idiom DeepSpeed's examples save a model with)
+with deepspeed.zero.GatheredParameters(list(net.parameters())):
+    weights = {name: p.detach().float().flatten().tolist() for name, p in net.named_parameters()}
+report(args.out, {"losses": losses, "weights": weights})
