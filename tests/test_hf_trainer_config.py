@@ -5,6 +5,8 @@ what is refused, and that without a ds_config the Trainer is transformers' own (
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 
 import pytest
 import torch
@@ -94,6 +96,38 @@ def test_auto_values_match_transformers_deepspeed_integration(tmp_path):
         assert ours.ds_config.finalized(ours, tiny_model(), STEPS) == expected
     finally:
         unset_hf_deepspeed_config()  # transformers' global: from_pretrained would build models under DeepSpeed's zero.Init
+
+
+def test_accelerate_launch_deepspeed_settings_are_the_ds_config(tmp_path, monkeypatch):
+    """``accelerate launch --use_deepspeed --zero_stage 3 --offload_optimizer_device cpu --gradient_accumulation_steps 2
+    --mixed_precision bf16`` sets these variables; the script's arguments take them (accelerate's own reading) and
+    accelerate is kept out of its DeepSpeed mode."""
+    for name, value in {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2",
+        "ACCELERATE_GRADIENT_CLIPPING": "0.5",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+    }.items():
+        monkeypatch.setenv(name, value)
+    args = arguments(tmp_path, bf16=True)  # with bf16=False transformers' check refuses the launcher's bf16, as for DeepSpeed
+    assert args.deepspeed_plugin is None and os.environ["ACCELERATE_USE_DEEPSPEED"] == "false"
+    filled = args.ds_config.finalized(args, tiny_model(), STEPS)
+    assert filled["zero_optimization"]["stage"] == 3 and filled["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert filled["gradient_accumulation_steps"] == 2 and filled["gradient_clipping"] == 0.5
+    assert filled["bf16"]["enabled"] is True and filled["train_micro_batch_size_per_gpu"] == 3
+    load_config(filled)
+
+
+def test_accelerate_launch_config_file_is_the_ds_config(tmp_path, monkeypatch):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **{k: ALL_AUTO[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu")}}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    args = arguments(tmp_path, bf16=False, gradient_accumulation_steps=1)
+    filled = args.ds_config.finalized(args, tiny_model(), STEPS)
+    assert filled["zero_optimization"]["stage"] == 2 and filled["train_batch_size"] == 3 * args.world_size
 
 
 def test_an_auto_no_argument_fills_is_refused_by_name(tmp_path):

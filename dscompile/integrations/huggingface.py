@@ -47,6 +47,7 @@ from dscompile.errors import DSCompileConfigError
 _INSTALL_HINT = "dscompile.integrations.huggingface needs transformers and accelerate: pip install 'dscompile[hf]'"
 try:
     import transformers
+    from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper, HfDeepSpeedConfig
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 except ImportError as exc:  # a bare install: say which extra brings them
@@ -100,18 +101,44 @@ def _auto_keys(node: Any, path: str = "") -> list[str]:
     return [path] if node == "auto" else []
 
 
+_ACCELERATE_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+
+
+def _launched_with_deepspeed() -> bool:
+    return os.environ.get(_ACCELERATE_USE_DEEPSPEED, "false").lower() == "true"
+
+
+def accelerate_launch_config(mixed_precision: str) -> dict[str, Any]:
+    """The ds_config ``accelerate launch --use_deepspeed`` described in the environment (its config file, or its
+    ``zero_stage``/offload/accumulation/clipping options, and ``--mixed_precision``), read by accelerate's own
+    ``DeepSpeedPlugin``, as transformers reads it for DeepSpeed."""
+    plugin = DeepSpeedPlugin()
+    plugin.set_mixed_precision(mixed_precision)
+    config = dict(plugin.deepspeed_config)
+    config.pop("steps_per_print", None)  # accelerate's float('inf') only silences DeepSpeed's own logging
+    return config
+
+
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     """transformers' ``TrainingArguments``; ``deepspeed=`` (a path, JSON or dict) names a ds_config dscompile runs.
 
     The config is kept from transformers (``args.deepspeed`` reads None, so neither Accelerate nor
     ``from_pretrained`` reaches for the ``deepspeed`` package) and held, its ``"auto"`` values filled from these
-    arguments, as ``args.ds_config`` (a ``TrainerDSConfig``; ``args.ds_config.config`` is the dict).
+    arguments, as ``args.ds_config`` (a ``TrainerDSConfig``; ``args.ds_config.config`` is the dict). Without
+    ``deepspeed=``, a script started by ``accelerate launch --use_deepspeed`` takes the launcher's DeepSpeed
+    settings, as transformers does; ``ACCELERATE_USE_DEEPSPEED`` is then set to false in this process, so that
+    accelerate does not enter its DeepSpeed mode.
     """
 
     def __post_init__(self) -> None:
         source, self.deepspeed = self.deepspeed, None
+        launched = _launched_with_deepspeed()
+        if launched:
+            os.environ[_ACCELERATE_USE_DEEPSPEED] = "false"
         super().__post_init__()
+        if not source and launched:
+            source = accelerate_launch_config(self.mixed_precision)
         self.ds_config: TrainerDSConfig | None = None
         if source:
             self.ds_config = TrainerDSConfig(source)
