@@ -219,3 +219,15 @@ def test_config_optimizer_and_scheduler_match_deepspeed(run: Runs) -> None:
     assert_series(got["learning_rates"], deepspeed["learning_rates"], "learning rates against DeepSpeed", rtol=1e-6, atol=0)
     assert_series([got["eval_after"]], [deepspeed["eval_after"]], "evaluation loss against DeepSpeed")
     assert_same_weights(got, deepspeed)
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+def test_resumes_a_run_deepspeed_started(run: Runs) -> None:
+    """A run the Trainer started on DeepSpeed (ZeRO-2, the Trainer's own scheduler, saved by DeepSpeed's Trainer path
+    in ``scheduler.pt``) continues under dscompile from its ``checkpoint-2`` as it would have on DeepSpeed."""
+    deepspeed = run("hf", ZERO2, "--save_steps", "2")
+    resumed = run("dscompile", ZERO2, "--resume", str(Path(deepspeed["output_dir"]) / "checkpoint-2"))
+    assert_series(resumed["losses"][2:], deepspeed["losses"][2:], "losses after resuming DeepSpeed's run")
+    assert_series(resumed["learning_rates"], deepspeed["learning_rates"], "learning rates after resuming", rtol=1e-6, atol=0)
+    assert_series([resumed["eval_after"]], [deepspeed["eval_after"]], "evaluation loss after resuming DeepSpeed's run")
+    assert_same_weights(resumed, deepspeed)

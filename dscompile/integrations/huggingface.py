@@ -26,6 +26,10 @@ DeepSpeed mode hands over to DeepSpeed's engine:
   and resuming loads it (weights, optimizer, scheduler, counters);
 - ``save_model`` gathers the full weights from the ZeRO shards on every rank and writes them with
   ``save_pretrained`` on the main process (full precision: the master weights).
+
+The accelerator is the Trainer's own; two of its methods are replaced on that instance once the engine exists:
+``backward`` (above) and ``unwrap_model``, which sees the user's model through the engine, as it sees it
+through DeepSpeed's (the Trainer reads the model's class there, e.g. for label smoothing).
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ def _launched_with_deepspeed() -> bool:
     return os.environ.get(_ACCELERATE_USE_DEEPSPEED, "false").lower() == "true"
 
 
-def accelerate_launch_config(mixed_precision: str) -> dict[str, Any]:
+def _accelerate_launch_config(mixed_precision: str) -> dict[str, Any]:
     """The ds_config ``accelerate launch --use_deepspeed`` described in the environment (its config file, or its
     ``zero_stage``/offload/accumulation/clipping options, and ``--mixed_precision``), read by accelerate's own
     ``DeepSpeedPlugin``, as transformers reads it for DeepSpeed."""
@@ -138,7 +142,7 @@ class TrainingArguments(transformers.TrainingArguments):
             os.environ[_ACCELERATE_USE_DEEPSPEED] = "false"
         super().__post_init__()
         if not source and launched:
-            source = accelerate_launch_config(self.mixed_precision)
+            source = _accelerate_launch_config(self.mixed_precision)
         self.ds_config: TrainerDSConfig | None = None
         if source:
             self.ds_config = TrainerDSConfig(source)
@@ -190,13 +194,14 @@ class Trainer(transformers.Trainer):
     """
 
     def __init__(self, model: nn.Module | None = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        if args is not None and not isinstance(args, TrainingArguments) and getattr(args, "deepspeed", None):
+        if args is not None and not isinstance(args, TrainingArguments) and (getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None)):
             raise DSCompileConfigError(
                 "deepspeed",
-                "transformers.TrainingArguments(deepspeed=...) hands the config to the DeepSpeed package",
+                "transformers.TrainingArguments with a DeepSpeed config (deepspeed=..., or accelerate launch --use_deepspeed) hand it to the DeepSpeed package",
                 "import TrainingArguments from dscompile.integrations.huggingface too",
             )
         self.engine: DSCompileEngine | None = None
+        self._engine_steps_trainers_scheduler = False
         super().__init__(model, args, *rest, **kwargs)
         if self.ds_config is not None:
             self._refuse_unsupported_arguments()
@@ -277,8 +282,9 @@ class Trainer(transformers.Trainer):
             return super().create_scheduler(num_training_steps, optimizer)
         if isinstance(self.lr_scheduler, _EngineScheduler):
             return self.lr_scheduler
-        trainers = engine.lr_scheduler is None
-        if trainers:  # no scheduler section: the Trainer's (or the one passed in), stepped by the engine
+        trainers = engine.lr_scheduler is None or self._engine_steps_trainers_scheduler  # (a second train() finds it set)
+        self._engine_steps_trainers_scheduler = trainers
+        if engine.lr_scheduler is None:  # no scheduler section: the Trainer's (or the one passed in), stepped by the engine
             if self.lr_scheduler is None:
                 super().create_scheduler(num_training_steps, optimizer=engine.optimizer)
             if getattr(self.lr_scheduler, "optimizer", engine.optimizer) is not engine.optimizer:
@@ -317,8 +323,8 @@ class Trainer(transformers.Trainer):
         self.engine.save_checkpoint(output_dir)  # every rank: its shards, the optimizer, the scheduler, the counters
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if self.engine is not None:
-            return  # the engine's checkpoint holds the weights (loaded with the optimizer below)
+        if self.ds_config is not None and (self.engine is not None or os.path.isfile(os.path.join(resume_from_checkpoint, "latest"))):
+            return  # the engine's checkpoint holds the weights (the master copy), loaded with the optimizer
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -342,3 +348,7 @@ class Trainer(transformers.Trainer):
         path, _ = self.engine.load_checkpoint(folder)
         if path is None:
             raise DSCompileConfigError("resume_from_checkpoint", f"nothing loaded from {folder}", "pass a checkpoint-N folder the Trainer saved")
+        trainers_scheduler = os.path.join(folder, "scheduler.pt")
+        if self._engine_steps_trainers_scheduler and os.path.isfile(trainers_scheduler):
+            # DeepSpeed's Trainer path steps the Trainer's own scheduler outside DeepSpeed's engine and saves it here
+            self.engine.lr_scheduler.load_state_dict(torch.load(trainers_scheduler, weights_only=True))
