@@ -9,9 +9,10 @@ gradient norm of every step, the evaluation losses and the saved model (``from_p
 DeepSpeed is installed, the unmodified script also drives DeepSpeed itself through the Trainer.
 
 Why one process as the reference and not the plain Trainer on two ranks: with gradient accumulation on gloo, the
-plain Trainer's DDP path (``no_sync`` on the first micro-batches) gives other gradients than one process (a
-gradient norm of 1.392 against 1.003 at the first step of this script), while DeepSpeed's Trainer path, dscompile's
-and DDP with ``sync_each_batch`` all agree with one process.
+plain Trainer's DDP path (``no_sync`` on the first micro-batches, ``find_unused_parameters=True``, GPT-2's tied
+embeddings) gives other gradients than one process (a gradient norm of 1.392 against 1.003 at the first step of
+this script), while DeepSpeed's Trainer path, dscompile's, and DDP with ``sync_each_batch`` or without
+``find_unused_parameters`` all agree with one process.
 
 Saved weights are compared with ``atol = WEIGHT_ATOL``: AdamW moves a weight by about the learning rate whatever
 the size of its gradient, so weights whose gradient is rounding noise (an attention key bias, whose exact gradient

@@ -34,6 +34,7 @@ PACKAGES = (
     "dscompile.runtime.zero",
     "dscompile.runtime.inference",
     "dscompile.moe",
+    "dscompile.ops",
     "dscompile.sequence",
     "dscompile.module_inject",
     "dscompile.utils",
