@@ -61,6 +61,7 @@ def test_every_module_imports_with_declared_dependencies_only() -> None:
     result = _run()
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "imported" in result.stdout and "FAILED" not in result.stdout
+    assert "needs the [hf] extra, as declared: dscompile.integrations.huggingface" in result.stdout  # refused by name, not by accident
 
 
 def test_the_guard_fails_on_an_undeclared_module_level_import(tmp_path: Path) -> None:

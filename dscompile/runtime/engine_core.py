@@ -533,6 +533,20 @@ class EngineCore:
         assert self.gradients is not None
         return self.gradients.full_parameters()
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict`` with every parameter's full value (gathered where partitioned; a collective).
+
+        Tied names share one tensor, as in the module; buffers are the module's own.
+        """
+        full = self.full_parameters()
+        state = dict(self.module.state_dict())
+        first_names: dict[int, str] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            first = first_names.setdefault(id(p), name)
+            if first in full:
+                state[name] = full[first]
+        return state
+
     def model_state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer states this rank holds (distinct storages)."""
         from dscompile.runtime.zero_shard import state_bytes
@@ -582,14 +596,8 @@ class EngineCore:
                 "to true to gather the weights (or use save_checkpoint + zero_to_fp32)"
             )
             return False
-        full = self.full_parameters()
+        state = self.full_state_dict()
         if self.global_rank == 0:
-            state = dict(self.module.state_dict())
-            first_names: dict[int, str] = {}
-            for name, p in self.module.named_parameters(remove_duplicate=False):
-                first = first_names.setdefault(id(p), name)
-                if first in full:
-                    state[name] = full[first]  # tied names share the gathered value
             write_16bit_state(state, self.compute_dtype, save_dir, save_filename)
         if self.world_size > 1:
             dist.barrier()
