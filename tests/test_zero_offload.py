@@ -250,7 +250,9 @@ def test_nvme_offload_frees_resident_memory(tmp_path: Path) -> None:
     """Adam's two states (8 bytes an element, 64 MiB here) leave RAM: the peak falls by >= 70% of them."""
     base = _rss_run(None)
     nvme = _rss_run({"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2})
-    assert nvme["losses"] == base["losses"]
+    # NVMe tiles step Adam a tile at a time: the vectorized kernels' tails fall elsewhere, an ulp apart on some CPUs
+    # (8e-8 relative seen on CI); a step not taken changes the loss several-fold
+    assert nvme["losses"] == pytest.approx(base["losses"], rel=1e-6)
     saved_peak = base["peak"] - nvme["peak"]
     saved_between = base["between"] - nvme["between"]
     assert saved_peak >= 0.7 * base["state_bytes"], (base, nvme)

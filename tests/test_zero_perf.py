@@ -103,9 +103,11 @@ def test_out_of_graph_collectives_of_big_parameters_skip_the_flat_copies() -> No
         assert result["copy_free"] == 4, result["copy_free"]
         for grad, p, length in zip(result["grads"], reference.parameters(), result["shard_numels"], strict=True):
             flat = torch.nn.functional.pad(p.grad.reshape(-1), (0, 2 * length - p.numel()))
-            torch.testing.assert_close(grad, flat[rank * length : (rank + 1) * length], rtol=1e-6, atol=1e-6)
+            # the ranks' matmuls run single-threaded, the reference's with this process's threads: another blocking of
+            # the same sums, a few ulps apart (1.1e-5 relative seen on CI); a missing average is 2x off
+            torch.testing.assert_close(grad, flat[rank * length : (rank + 1) * length], rtol=1e-5, atol=1e-5)
         for got, want in zip(result["params"], expected, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _big_model() -> nn.Module:
@@ -213,7 +215,8 @@ def test_zero3_big_gathers_in_the_graphs_run_as_broadcasts_on_gloo(tmp_path: Any
         assert ops.get("zero_broadcast_gather", 0) == 3, ops  # both weights in forward; backward needs only the second
         assert ops.get("all_to_all_single", 0) >= 2 and ops.get("reduce_scatter_tensor", 0) == 0, ops
         for got, want in zip(result["params"], reference.parameters(), strict=True):
-            torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=5e-5)  # summation order, scaled by Adam where v is tiny
+            # summation order, scaled by Adam where v is tiny (6.3e-5 seen on CI); a step not taken is off by lr = 1e-2
+            torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=2e-4)
     mean_losses = [sum(r["losses"][s] for r in results) / 2 for s in range(2)]
     assert mean_losses == pytest.approx(losses, rel=1e-5)
 
