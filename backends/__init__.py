@@ -15,52 +15,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-import torch.fx
+# The registry lives with the pass registry (dscompile.pipeline, below this package); re-exported here for backends.
+from dscompile.pipeline import LowerFn, Lowering, PrepareFn, get_lowering, lowerings, register_lowering
 
-LowerFn = Callable[[torch.fx.GraphModule, Sequence[Any], Any], Callable[..., Any]]
-PrepareFn = Callable[[torch.fx.GraphModule, Sequence[Any]], torch.fx.GraphModule]
-
-
-@dataclass(frozen=True)
-class Lowering:
-    """A lowering: ``compile(gm, example_inputs, ctx)``, the decompositions it wants AOTAutograd to
-    apply, and what it must do to the joint graph before partitioning (None: nothing)."""
-
-    name: str
-    compile: LowerFn
-    decompositions: Callable[[], dict | None]
-    doc: str
-    prepare_joint: PrepareFn | None = None
-
-
-_LOWERINGS: dict[str, Lowering] = {}
-
-
-def register_lowering(
-    name: str, *, decompositions: Callable[[], dict | None] = lambda: None, prepare_joint: PrepareFn | None = None
-) -> Callable[[LowerFn], LowerFn]:
-    def decorator(fn: LowerFn) -> LowerFn:
-        _LOWERINGS[name] = Lowering(name, fn, decompositions, (fn.__doc__ or "").strip(), prepare_joint)
-        return fn
-
-    return decorator
-
-
-def get_lowering(name: str) -> Lowering:
-    from dscompile.errors import DSCompileConfigError, suggest
-
-    if name not in _LOWERINGS:
-        raise DSCompileConfigError("lower", f"unknown lowering {name!r}", suggest(name, _LOWERINGS) or f"use one of {sorted(_LOWERINGS)}")
-    return _LOWERINGS[name]
-
-
-def lowerings() -> dict[str, Lowering]:
-    return dict(_LOWERINGS)
-
+__all__ = ["LowerFn", "Lowering", "PrepareFn", "get_lowering", "lowerings", "register_lowering"]
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -22,7 +22,7 @@ def main() -> None:
     import transformers as tf
 
     import dscompile
-    import dscompile.inference as inference
+    import dscompile.engines.inference as inference
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-out", type=int, default=1024, help="max_out_tokens: the static KV cache's slots")

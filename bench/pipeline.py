@@ -120,7 +120,7 @@ def _bench_rank(
 ) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
     from dscompile.zoo import build, make_batch
     from dscompile.zoo.case import cross_entropy
 

@@ -13,7 +13,9 @@ from dscompile.arguments import add_config_arguments  # noqa: E402
 from dscompile.autotp import tp_model_init  # noqa: E402
 from dscompile.comm import init_distributed  # noqa: E402
 from dscompile.config import DSConfig, load_config
-from dscompile.engine import DSCompileEngine, initialize
+from dscompile.engines.inference import InferenceEngine, init_inference
+from dscompile.engines.pipeline_parallel import PipelineEngine  # noqa: E402
+from dscompile.engines.training import DSCompileEngine, initialize
 from dscompile.errors import (
     DSCompileConfigError,
     DSCompileError,
@@ -22,12 +24,10 @@ from dscompile.errors import (
     DSCompilePipelineError,
 )
 from dscompile.frontend import dscompile_backend
-from dscompile.inference import InferenceEngine, init_inference
 from dscompile.module_inject.layers import set_autotp_mode
 from dscompile.pipe import PipelineModule  # noqa: E402
 from dscompile.runtime import lr_schedules as _lr_schedules  # noqa: F401  (scripts use deepspeed.runtime.lr_schedules.X unimported)
 from dscompile.runtime import utils as _runtime_utils  # noqa: F401  (and deepspeed.runtime.utils.X)
-from dscompile.runtime.pipeline_engine import PipelineEngine  # noqa: E402
 from dscompile.runtime.pipeline_markers import pipeline_split
 from dscompile.utils import OnDevice, log_dist, logger
 

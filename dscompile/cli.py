@@ -294,7 +294,7 @@ def _prompt_ids(text: str | None, default: tuple) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate with ``init_inference`` (static KV cache, compiled prefill and decode) and print tokens/s."""
-    from dscompile.inference import init_inference
+    from dscompile.engines.inference import init_inference
 
     model, inputs = _call_factory(load_target(args.target), args.target)
     ids = _prompt_ids(args.prompt, inputs)

@@ -494,5 +494,3 @@ def _check_compressed_comm_optimizer(config: DSConfig) -> None:
             "train without a pipeline section, or use Adam/AdamW",
         )
 
-
-from dscompile import deepspeed_config  # noqa: E402, F401  (registers DeepSpeed's remaining sections)

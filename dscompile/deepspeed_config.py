@@ -6,7 +6,7 @@ accepted while its capability is off; switching it on raises ``DSCompileNotSuppo
 naming the key. Keys that only tune DeepSpeed's own implementation (its timers, buffer sizes,
 the communication data type of sequence parallelism, which is not built) are accepted in any
 valid value. Built capabilities register their own sections (``passes/zero.py``,
-``passes/mixed_precision.py``, ...); ``dscompile.config`` imports this module last.
+``passes/mixed_precision.py``, ...); the registry (``dscompile.pipeline.BUILTIN_MODULES``) loads this module.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ values are re-propagated and compared), timed, and dumped when a dump directory 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import math
 import re
@@ -125,10 +126,60 @@ def get_pass(name: str) -> PassInfo:
     return _REGISTRY[name]
 
 
+# The modules whose import registers the built-in passes, lowerings and config sections. Loaded by name: the
+# registry sits below them (DESIGN.md, "Imports point down the layers"), so it never imports them itself.
+BUILTIN_MODULES = ("dscompile.deepspeed_config", "dscompile.backends", "dscompile.passes")
+
+
 def _ensure_builtin_passes() -> None:
-    # Importing the package registers every built-in pass and lowering.
-    import dscompile.backends  # noqa: F401
-    import dscompile.passes  # noqa: F401
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+# -- lowerings ---------------------------------------------------------------------------------------------
+LowerFn = Callable[[torch.fx.GraphModule, Sequence[Any], Any], Callable[..., Any]]
+PrepareFn = Callable[[torch.fx.GraphModule, Sequence[Any]], torch.fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """A lowering: ``compile(gm, example_inputs, ctx)``, the decompositions it wants AOTAutograd to
+    apply, and what it must do to the joint graph before partitioning (None: nothing)."""
+
+    name: str
+    compile: LowerFn
+    decompositions: Callable[[], dict | None]
+    doc: str
+    prepare_joint: PrepareFn | None = None
+
+
+_LOWERINGS: dict[str, Lowering] = {}
+
+
+def register_lowering(
+    name: str, *, decompositions: Callable[[], dict | None] = lambda: None, prepare_joint: PrepareFn | None = None
+) -> Callable[[LowerFn], LowerFn]:
+    """Register ``fn(gm, example_inputs, ctx)`` as the lowering ``name`` (a module in ``backends/``)."""
+
+    def decorator(fn: LowerFn) -> LowerFn:
+        _LOWERINGS[name] = Lowering(name, fn, decompositions, (fn.__doc__ or "").strip(), prepare_joint)
+        return fn
+
+    return decorator
+
+
+def get_lowering(name: str) -> Lowering:
+    from dscompile.errors import DSCompileConfigError
+
+    _ensure_builtin_passes()
+    if name not in _LOWERINGS:
+        raise DSCompileConfigError("lower", f"unknown lowering {name!r}", suggest(name, _LOWERINGS) or f"use one of {sorted(_LOWERINGS)}")
+    return _LOWERINGS[name]
+
+
+def lowerings() -> dict[str, Lowering]:
+    _ensure_builtin_passes()
+    return dict(_LOWERINGS)
 
 
 @dataclass
@@ -396,8 +447,6 @@ class LowerOptions:
     backend: str = field(default="auto", metadata={"help": "eager | inductor | triton | auto (inductor, on a GPU as on a CPU)"})
 
     def __post_init__(self) -> None:
-        from dscompile.backends import lowerings
-
         known = ["auto", *sorted(lowerings())]
         if self.backend not in known:
             hint = suggest(self.backend, known)

@@ -9,6 +9,8 @@ Random blocks use a seeded generator so a compile is reproducible.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import random
 from collections.abc import Sequence
@@ -18,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from dscompile.errors import DSCompileConfigError
+from dscompile.kernels.sparse_attention_op import register_layout_builder
 
 log = logging.getLogger("dscompile.sparsity")
 
@@ -535,3 +538,14 @@ def parse_sparse_attention(value: Any, path: str = "sparse_attention") -> Sparse
     if not isinstance(value, Mapping):
         raise DSCompileConfigError(path, f"expected a JSON object, got {type(value).__name__}")
     return parse_dataclass(SparseAttentionConfig, dict(value), path)
+
+
+@functools.lru_cache(maxsize=64)
+def layout_from_spec(sparsity: str, num_heads: int, seq_len: int, device: str = "cpu") -> torch.Tensor:
+    """The layout a JSON ``sparse_attention`` section gives for ``num_heads`` x ``seq_len`` (cached)."""
+    config = parse_sparse_attention(json.loads(sparsity), "sparse_attention")
+    with torch.inference_mode(False):  # a normal tensor even when first asked for under inference_mode: cacheable
+        return config.sparsity_config(num_heads).make_layout(seq_len).to(device)
+
+
+register_layout_builder(layout_from_spec)  # the op, called with a spec, builds its layout here

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import dscompile
-from dscompile.runtime.pipeline_engine import PipelineEngine
+from dscompile.engines.pipeline_parallel import PipelineEngine
 from dscompile.zoo import ZooCase, build, make_batch
 
 

@@ -32,7 +32,7 @@ masked, the padded rows dropped); the pass logs when that happens.
 from __future__ import annotations
 
 import functools
-import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,14 +92,15 @@ def _prepare(
     return q, k, v, layout, bias, s
 
 
-@functools.lru_cache(maxsize=64)
-def layout_from_spec(sparsity: str, num_heads: int, seq_len: int, device: str = "cpu") -> Tensor:
-    """The layout a JSON ``sparse_attention`` section gives for ``num_heads`` x ``seq_len`` (cached)."""
-    from dscompile.sparsity import parse_sparse_attention
+LayoutBuilder = Callable[[str, int, int, str], Tensor]
+_layout_builder: LayoutBuilder | None = None
 
-    config = parse_sparse_attention(json.loads(sparsity), "sparse_attention")
-    with torch.inference_mode(False):  # a normal tensor even when first asked for under inference_mode: cacheable
-        return config.sparsity_config(num_heads).make_layout(seq_len).to(device)
+
+def register_layout_builder(builder: LayoutBuilder) -> None:
+    """``builder(sparsity_json, num_heads, seq_len, device)``: the layout an op called with a spec instead of a
+    layout tensor uses. ``dscompile.sparsity`` registers it; kernels never import the config layer above them."""
+    global _layout_builder
+    _layout_builder = builder
 
 
 def _resolve_layout(layout: Tensor | None, sparsity: str, q: Tensor) -> Tensor:
@@ -107,7 +108,9 @@ def _resolve_layout(layout: Tensor | None, sparsity: str, q: Tensor) -> Tensor:
         return layout
     if not sparsity:
         raise ValueError("block_sparse_attention needs a layout tensor or a sparsity spec")
-    return layout_from_spec(sparsity, q.shape[1], q.shape[2], str(q.device))
+    if _layout_builder is None:
+        raise RuntimeError("block_sparse_attention got a sparsity spec but no layout builder: import dscompile.sparsity first")
+    return _layout_builder(sparsity, q.shape[1], q.shape[2], str(q.device))
 
 
 # ----------------------------------------------------------------------------- FlexAttention lowering

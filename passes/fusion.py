@@ -264,7 +264,7 @@ def fuse(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> torch.fx.
         log.info("%s: regions are for the triton lowering; with lower(%s) the graph is left unchanged", ctx.graph_name, lowering)
         return gm
     if lowering == "triton":
-        from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues
+        from dscompile.passes.matmul_epilogue_fold import fold_matmul_epilogues
 
         folded = fold_matmul_epilogues(gm)
         if folded:

@@ -44,9 +44,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dscompile.config import register_section
 from dscompile.errors import DSCompileError
 from dscompile.graph import ds_meta, node_value, set_fake_value
-from dscompile.kernels.sparse_attention_op import layout_from_spec
 from dscompile.pipeline import PassContext, PassInvocation, invocation, register_config_rule, register_pass
-from dscompile.sparsity import SparseAttentionConfig, parse_sparse_attention
+from dscompile.sparsity import SparseAttentionConfig, layout_from_spec, parse_sparse_attention
 
 log = logging.getLogger("dscompile.passes.sparse_attention")
 

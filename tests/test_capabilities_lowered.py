@@ -289,7 +289,7 @@ def pipeline_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def pipeline_rank(rank: int, world: int, lower: str) -> dict[str, Any]:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     case = _case(n_layers=2)
     config = {

@@ -221,7 +221,7 @@ def test_stage0_checkpoint_loads_into_zero_and_back(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_of_another_engine_is_named_with_its_stage(tmp_path: Path) -> None:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     engine = _engine(1)
     _train(engine, 1)

@@ -241,7 +241,7 @@ def test_pruning_that_zero_would_silently_break_is_refused(method: str, stage: i
 
 def test_compression_with_pipeline_parallelism_is_refused() -> None:
     from dscompile.config import load_config
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     cfg = load_config(config(wq_section(["fc1"], 0, 8, 8, 1), pipeline={"stages": 1}))
     with pytest.raises(DSCompileConfigError, match="compression_training.*pipeline"):

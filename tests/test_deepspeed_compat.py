@@ -13,8 +13,8 @@ from torch import nn
 
 import dscompile
 import dscompile as deepspeed
+from dscompile.engines.pipeline_parallel import GraphStageRunner, PipelineEngine
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.runtime.pipeline_engine import GraphStageRunner, PipelineEngine
 
 warnings.filterwarnings("ignore", message="Failed to fetch module")
 

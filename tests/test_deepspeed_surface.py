@@ -143,7 +143,7 @@ def test_on_device_builds_on_the_device_in_the_dtype(device: str) -> None:
 def test_see_memory_usage_logs_only_when_forced(caplog: pytest.LogCaptureFixture) -> None:
     from dscompile.runtime.utils import see_memory_usage
 
-    with caplog.at_level(logging.INFO, logger="dscompile.engine"):
+    with caplog.at_level(logging.INFO, logger="dscompile.engines.training"):
         see_memory_usage("quiet")
         see_memory_usage("loud", force=True)
     messages = [r.getMessage() for r in caplog.records]

@@ -176,7 +176,7 @@ def test_rng_helpers_replay_cpu_randomness() -> None:
 
 def test_stage_recompute_replays_dropout_masks() -> None:
     """GraphStageRunner(checkpoint=True) recomputes in backward on the forward's RNG state."""
-    from dscompile.runtime.pipeline_engine import GraphStageRunner
+    from dscompile.engines.pipeline_parallel import GraphStageRunner
 
     def stage(x: torch.Tensor) -> tuple[torch.Tensor]:
         return (torch.nn.functional.dropout(x * 2.0, p=0.5, training=True),)
@@ -209,7 +209,7 @@ def test_cuda_generators_are_captured_and_replayed() -> None:
 
 @pytest.mark.gpu
 def test_stage_recompute_replays_cuda_dropout_masks() -> None:
-    from dscompile.runtime.pipeline_engine import GraphStageRunner
+    from dscompile.engines.pipeline_parallel import GraphStageRunner
 
     def stage(x: torch.Tensor) -> tuple[torch.Tensor]:
         return (torch.nn.functional.dropout(x * 2.0, p=0.5, training=True),)

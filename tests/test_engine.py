@@ -185,7 +185,7 @@ def test_many_engines_in_one_process_all_compile(room, monkeypatch):
     per-code limit (8) the forward would run uncompiled, without dscompile's passes, and say nothing. Twelve
     engines: every one's forward goes through dscompile's compiler (``room=False`` shows the check catches the
     silent fallback)."""
-    import dscompile.engine as engine_module
+    import dscompile.engines.training as engine_module
     import dscompile.frontend as frontend
     from dscompile.runtime import dynamo_room
 

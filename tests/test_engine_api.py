@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import dscompile
+from dscompile.engines.pipeline_parallel import PipelineEngine
 from dscompile.runtime.engine_core import EngineExtension
-from dscompile.runtime.pipeline_engine import PipelineEngine
 from dscompile.zoo import build, make_batch
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
@@ -154,7 +154,7 @@ def test_optimizer_argument_wins_over_the_config_section(caplog: pytest.LogCaptu
     mine = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.StepLR(mine, step_size=1, gamma=0.5)
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "WarmupLR", "params": {}}, "lower": "eager"}
-    with caplog.at_level(logging.WARNING, logger="dscompile.engine"):
+    with caplog.at_level(logging.WARNING, logger="dscompile.engines.training"):
         engine, optimizer, _, lr_scheduler = dscompile.initialize(model=model, optimizer=mine, lr_scheduler=scheduler, config=cfg)
     assert optimizer is mine and lr_scheduler is scheduler
     assert "'optimizer' section (AdamW) is ignored" in caplog.text and "'scheduler' section (WarmupLR) is ignored" in caplog.text
@@ -218,7 +218,7 @@ def test_pipeline_train_batch_draws_from_training_data_in_order() -> None:
     loss_fn = lambda out, y: nn.functional.mse_loss(out.squeeze(1), y.float())  # noqa: E731
     engine = PipelineEngine(_Regression(), cfg, None, loss_fn=loss_fn)
     reference = PipelineEngine(_Regression(), cfg, None, loss_fn=loss_fn)
-    from dscompile.engine import _build_dataloader
+    from dscompile.engines.training import _build_dataloader
     from dscompile.utils import RepeatingLoader
 
     engine.set_dataloader(RepeatingLoader(_build_dataloader(engine.config, data, None, 1, 0, shuffle=False)))

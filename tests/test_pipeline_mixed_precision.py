@@ -72,7 +72,7 @@ def _bit_identical(a: Any, b: Any) -> bool:
 
 
 def train_rank(rank: int, world: int, precision: str, inject: bool) -> dict[str, Any]:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
     from dscompile.zoo import build
 
     case = build("gpt", **MODEL)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from dscompile.config import load_config
+from dscompile.engines.pipeline_parallel import PipelineEngine, capture_graph
 from dscompile.errors import DSCompileConfigError
 from dscompile.passes.pipeline_split import describe_plan, graph_facts, min_max_partition, plan_partition, split_program
-from dscompile.runtime.pipeline_engine import PipelineEngine, capture_graph
 from dscompile.runtime.pipeline_markers import pipeline_split
 from dscompile.zoo import build, make_batch
 
@@ -58,7 +58,7 @@ def test_zero_above_stage_1_is_refused():
 def test_initialize_returns_the_pipeline_engine_for_a_pipeline_config():
     """DeepSpeed style: dscompile.initialize + a pipeline section -> train_batch; numbers equal eager."""
     import dscompile
-    from dscompile.engine import DSCompileEngine
+    from dscompile.engines.training import DSCompileEngine
 
     cfg = {"gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 1, "compile": False}}
     case, ref = build("mlp"), build("mlp")

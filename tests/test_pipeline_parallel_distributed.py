@@ -56,7 +56,7 @@ def _reference(name: str, m: int, steps: int, dp: int = 1, optimizer: str = "SGD
 
 
 def _train(rank: int, name: str, cfg: dict, m: int, steps: int, overrides: dict) -> dict:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
     from dscompile.zoo import build
 
     case = build(name, **overrides)
@@ -75,7 +75,7 @@ def _train(rank: int, name: str, cfg: dict, m: int, steps: int, overrides: dict)
 
 def _checkpoint_roundtrip(rank: int, tmp: str, m: int, zero_stage: int = 0) -> dict:
     """Train 2 steps with Adam, save, rebuild from another initialisation, load, train 1 more."""
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
     from dscompile.zoo import build
 
     cfg = _config("1f1b", 2, m, compile_=False, optimizer="Adam")
@@ -99,7 +99,7 @@ def _checkpoint_roundtrip(rank: int, tmp: str, m: int, zero_stage: int = 0) -> d
 def _through_initialize(rank: int, m: int, steps: int) -> dict:
     """``dscompile.initialize`` with a ``pipeline`` section returns the pipeline engine, DeepSpeed style."""
     import dscompile
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
     from dscompile.zoo import build
 
     case = build("gpt", n_layers=2)

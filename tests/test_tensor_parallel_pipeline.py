@@ -67,7 +67,7 @@ def _reference(model: str, optimizer: str) -> dict[str, Any]:
 
 def _train(rank: int, world: int, runs: list[tuple[str, str, str]], save_dir: str | None = None) -> dict[str, Any]:
     import dscompile
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     out: dict[str, Any] = {}
     for model, optimizer, lower in runs:
@@ -111,7 +111,7 @@ def _train(rank: int, world: int, runs: list[tuple[str, str, str]], save_dir: st
 def _save_and_resume(engine: Any, model: str, config: dict[str, Any], data: list[Any], save_dir: str) -> dict[str, Any]:
     """Each TP rank's stage slices saved and resumed by an engine built from other weights (loaded before its first
     batch), one more batch on both; the 16-bit model file holds the whole tensors (the slices gathered)."""
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
     from dscompile.zoo import build
 
     engine.save_checkpoint(save_dir, tag="pp")

@@ -56,7 +56,7 @@ def _batches(case: Any, steps: int) -> list[list[tuple[torch.Tensor, ...]]]:
 def _across_tp(save_dir: str) -> dict[str, Any]:
     """TP=2 → TP=1 and TP=1 → TP=2: each loading engine starts from other weights (seed 9) and loads before its
     first batch; then it and the saving engine train the same batch."""
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     case = _llama()
     data = _batches(case, 4)
@@ -79,7 +79,7 @@ def _across_tp(save_dir: str) -> dict[str, Any]:
 
 
 def _bf16() -> dict[str, Any]:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
     case = _llama()
     engine = PipelineEngine(case.model, _config(2, SGD, lower="default", bf16={"enabled": True}))

@@ -277,7 +277,8 @@ def _mlp_block(x, w1, b1, w2, b2):
 
 
 def test_fold_matmul_epilogues_rewrites_chains_and_matches_eager():
-    from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues, matmul_epilogue_call
+    from dscompile.kernels.matmul_epilogue import matmul_epilogue_call
+    from dscompile.passes.matmul_epilogue_fold import fold_matmul_epilogues
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 12, generator=g).to(DEVICE)
@@ -298,7 +299,8 @@ def test_fold_matmul_epilogues_rewrites_chains_and_matches_eager():
 
 
 def test_fold_keeps_intermediates_used_elsewhere():
-    from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues, matmul_epilogue_call
+    from dscompile.kernels.matmul_epilogue import matmul_epilogue_call
+    from dscompile.passes.matmul_epilogue_fold import fold_matmul_epilogues
 
     def fn(a, w, b, r):
         h = torch.addmm(b, a, w)

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from dscompile.config import load_config
-from dscompile.engine import DSCompileEngine, initialize
+from dscompile.engines.training import DSCompileEngine, initialize
 from dscompile.errors import DSCompileConfigError
 
 _INSTALL_HINT = "dscompile.integrations.huggingface needs transformers and accelerate: pip install 'dscompile[hf]'"

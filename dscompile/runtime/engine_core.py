@@ -98,7 +98,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -108,83 +108,20 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.comm_stats import CommStats, collecting
 from dscompile.runtime.devices import collective_device
+from dscompile.runtime.engine_extension import (  # noqa: F401  (extensions import them from here too)
+    EngineExtension,
+    ExtensionFactory,
+    engine_extension_factories,
+    register_engine_extension,
+    registered_engine_extensions,
+)
 from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, ThroughputTimer, log_every
+from dscompile.runtime.loss_scaler import MixedPrecision
 
-log = logging.getLogger("dscompile.engine")
+log = logging.getLogger("dscompile.engines.training")
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 LATEST = "latest"
-
-
-class EngineExtension:
-    """A capability's part of the engine; override only the hooks it needs (see the module docstring)."""
-
-    name: str = "extension"
-    checks_overflow: bool = False
-    """True when ``check_overflow`` can report an overflow: the core then agrees the answer across ranks."""
-
-    def configure(self, engine: EngineCore) -> None:
-        """Once, at engine construction, before the model is compiled."""
-
-    def before_forward(self, engine: EngineCore) -> None:
-        """Before each forward."""
-
-    def after_forward(self, engine: EngineCore) -> None:
-        """After each forward."""
-
-    def scale_loss(self, engine: EngineCore, loss: torch.Tensor) -> torch.Tensor:
-        """Before backward: the loss to differentiate (a multiple of ``loss``)."""
-        return loss
-
-    def after_backward(self, engine: EngineCore) -> None:
-        """After each backward."""
-
-    def on_gradients_ready(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
-        """At the boundary, after the gradient strategy reduced every gradient."""
-
-    def check_overflow(self, engine: EngineCore, params: list[nn.Parameter]) -> bool:
-        """Unscale and report inf/NaN gradients (True skips the step on every rank)."""
-        return False
-
-    def before_optimizer_step(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
-        """After clipping, before ``optimizer.step()`` (clean steps only)."""
-
-    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
-        """After every boundary, skipped or not."""
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """This extension's share of a checkpoint (None: nothing to save)."""
-        return None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-
-    def counters(self) -> dict[str, Any]:
-        """Numbers for ``engine.communication_stats()``."""
-        return {}
-
-    def destroy(self, engine: EngineCore) -> None:
-        """From ``engine.destroy()``: release buffers and hooks (called once)."""
-
-
-ExtensionFactory = Callable[[Any], "EngineExtension | None"]
-_FACTORIES: list[tuple[int, str, ExtensionFactory]] = []
-
-
-def register_engine_extension(order: int, name: str) -> Callable[[ExtensionFactory], ExtensionFactory]:
-    """Register ``factory(config) -> EngineExtension | None``; every engine calls it at construction."""
-
-    def decorator(factory: ExtensionFactory) -> ExtensionFactory:
-        _FACTORIES[:] = [f for f in _FACTORIES if f[1] != name]
-        _FACTORIES.append((order, name, factory))
-        _FACTORIES.sort(key=lambda f: (f[0], f[1]))
-        return factory
-
-    return decorator
-
-
-def registered_engine_extensions() -> list[tuple[int, str]]:
-    return [(order, name) for order, name, _ in _FACTORIES]
 
 
 class GradientStrategy:
@@ -290,7 +227,7 @@ class EngineCore:
     def configure_extensions(self, config: Any | None = None) -> None:
         """Build every registered extension that applies to ``config`` and let each configure this engine."""
         optimizer = self.optimizer
-        for _order, _name, factory in list(_FACTORIES):
+        for _order, _name, factory in engine_extension_factories():
             extension = factory(config if config is not None else self.config)
             if extension is not None:
                 self.add_extension(extension)
@@ -332,8 +269,6 @@ class EngineCore:
 
     @loss_scaler.setter
     def loss_scaler(self, scaler: Any) -> None:
-        from dscompile.runtime.loss_scaler import MixedPrecision
-
         extension = self.extension("mixed_precision")
         if extension is None:
             if scaler is not None:

@@ -3,8 +3,8 @@
 ``StepTimers`` sums the wall time of each phase (``forward``, ``backward``, ``step``) over the
 micro-steps of one optimizer step; the engine closes the step (``end_step``) and, every
 ``steps_per_print`` optimizer steps, logs the mean per optimizer step over that interval (logger
-``dscompile.engine``; rank 0, or under pipeline parallelism the first replica of every stage). On CUDA the device is synchronised at each phase boundary while
-timing, so the times are the device's, not the launch's.
+``dscompile.engines.training``; rank 0, or under pipeline parallelism the first replica of every stage).
+On CUDA the device is synchronised at each phase boundary while timing, so the times are the device's, not the launch's.
 
 ``MemoryBreakdown`` takes a snapshot after each phase: on CPU the process resident set (RSS, and
 the peak RSS of the process so far), on CUDA ``torch.cuda``'s allocated/reserved bytes and their
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("dscompile.engine")
+log = logging.getLogger("dscompile.engines.training")
 
 PHASES = ("forward", "backward", "step")
 

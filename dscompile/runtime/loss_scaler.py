@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,11 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.devices import collective_device
-from dscompile.runtime.engine_core import EngineCore, EngineExtension
+from dscompile.runtime.engine_extension import EngineExtension
 from dscompile.runtime.sixteen_bit import cast_state_dict_to
+
+if TYPE_CHECKING:
+    from dscompile.runtime.engine_core import EngineCore
 
 log = logging.getLogger("dscompile.runtime.loss_scaler")
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 
 PACKAGES = (
     "dscompile",
+    "dscompile.engines",
     "dscompile.runtime",
     "dscompile.runtime.onebit",
     "dscompile.runtime.compression",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dscompile.engine import initialize
+from dscompile.engines.training import initialize
 from dscompile.runtime.onebit import OPTIMIZERS, Collectives, CommStats
 from dscompile.runtime.onebit.engine import bytes_sent
 

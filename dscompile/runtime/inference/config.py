@@ -22,7 +22,7 @@ import torch
 from dscompile.config import LowerName, parse_dataclass, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 
-log = logging.getLogger("dscompile.inference")
+log = logging.getLogger("dscompile.engines.inference")
 
 ALIASES = {
     "kernel_inject": "replace_with_kernel_inject",

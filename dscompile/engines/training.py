@@ -52,9 +52,9 @@ from dscompile.runtime.zero_init import materialize
 from dscompile.runtime.zero_shard import ZeroModule, collective_failures_explained, run_agreeing
 
 if TYPE_CHECKING:
-    from dscompile.runtime.pipeline_engine import PipelineEngine
+    from dscompile.engines.pipeline_parallel import PipelineEngine
 
-log = logging.getLogger("dscompile.engine")
+log = logging.getLogger("dscompile.engines.training")
 
 _ENTRIES_PER_ENGINE = 4
 """Dynamo cache entries one engine's forward may add (train and eval, a second input shape, ...)."""
@@ -315,7 +315,7 @@ def initialize(
     tc = cfg.sections.get("tensor_parallel")
     tp_size = groups.tp_size if groups is not None else tc.autotp_size if tc is not None and tc.enabled else 1
     if pipe is not None:  # DeepSpeed's rule: a pipeline config gets the pipeline engine (train_batch API)
-        from dscompile.runtime.pipeline_engine import check_pipeline_world, refuse_sequence_parallel
+        from dscompile.engines.pipeline_parallel import check_pipeline_world, refuse_sequence_parallel
 
         refuse_sequence_parallel(tc)
         check_pipeline_world(world_size, pipe.stages, tp_size)
@@ -351,7 +351,7 @@ def initialize(
         # DeepSpeed's rule (engine._configure_lr_scheduler): the client's scheduler wins.
         log.warning("lr_scheduler= was given, so the config's 'scheduler' section (%s) is ignored, as DeepSpeed does", cfg.scheduler.type)
     if pipe is not None:
-        from dscompile.runtime.pipeline_engine import PipelineEngine
+        from dscompile.engines.pipeline_parallel import PipelineEngine
 
         scheduler = _resolve_scheduler(cfg, lr_scheduler, opt)
         loss_fn = model.loss_fn if configure_pipeline is not None else None
