@@ -24,10 +24,17 @@ STEPS = 2
 LR = 0.01
 # Small parameters (biases, LayerNorms) stay whole (ds_persist, AVAILABLE), the others are sharded: both kinds saved.
 PERSISTENCE = 16
-# Two ranks average two half-batch gradients where one process takes one full-batch mean, and Inductor's fused
-# kernels sum in another order than eager PyTorch: float32 rounding only (~1e-7 relative per step). Adam divides the
-# update by sqrt(v), which keeps those differences at that scale (no gradient here is near zero at step 1 or 2).
-ATOL, RTOL = 2e-6, 1e-5
+# Not bit for bit against the single process: two ranks average two half-batch gradients where one process takes
+# one full-batch mean, and Inductor's fused kernels sum in another order than eager PyTorch, so the gradients
+# differ by float32 rounding. Adam divides each update by sqrt(v), which keeps those differences near rounding
+# (measured: at most 3e-8 on the tiny net, 1.2e-6 on GPT-2), far below one step's change (~LR = 1e-2), which is
+# what a stale or missing parameter would show. Except GPT-2's key biases (c_attn.bias[n_embd:2*n_embd]): softmax is
+# unchanged by a constant added to every key, so their true gradient is 0 and Adam scales pure rounding noise up
+# (measured 7e-6); they get 1e-4, still a hundredth of a step. The saved state against the engine's own shards is
+# compared bit for bit.
+TOLERANCE = {"tiny": (1e-6, 1e-5), "gpt2": (5e-6, 1e-5)}
+KEY_BIAS_ATOL = 1e-4
+N_EMBD = 16
 
 
 class TinyNet(nn.Module):
@@ -50,7 +57,7 @@ class GPT2Loss(nn.Module):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(vocab_size=40, n_positions=16, n_embd=N_EMBD, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         self.lm = GPT2LMHeadModel(config)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -248,7 +255,13 @@ def test_zero3_save_idiom_saves_the_trained_model(which):
     for n, value in saved.items():
         assert value.shape == ref_state[n].shape and value.numel() > 0, n
         assert torch.equal(value, r0["engine_state"][n]), n
-        torch.testing.assert_close(value, ref_state[n], atol=ATOL, rtol=RTOL, msg=lambda m, n=n: f"{n}: {m}")
+        atol, rtol = TOLERANCE[which]
+        expected = ref_state[n]
+        if n.endswith("attn.c_attn.bias"):
+            keys = slice(N_EMBD, 2 * N_EMBD)
+            torch.testing.assert_close(value[keys], expected[keys], atol=KEY_BIAS_ATOL, rtol=0, msg=lambda m, n=n: f"{n} (keys): {m}")
+            value, expected = torch.cat([value[:N_EMBD], value[2 * N_EMBD :]]), torch.cat([expected[:N_EMBD], expected[2 * N_EMBD :]])
+        torch.testing.assert_close(value, expected, atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n}: {m}")
     mean_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]  # each rank's loss is its half's mean
     torch.testing.assert_close(mean_losses, ref_losses, atol=1e-6, rtol=1e-6)
     # GatheredParameters(modifier_rank=0): rank 0's value everywhere, re-sharded, used by the next compiled step
