@@ -15,10 +15,11 @@ DeepSpeed's integration) would write into empty shards, so building a transforme
 refused: build it normally and let ZeRO-3 partition it at ``initialize``.
 
 The shard is recorded on the parameter under DeepSpeed's names (``ds_shape``, ``ds_numel``,
-``ds_tensor``); ``ZeroPartition`` adopts those shards instead of cutting new ones
-(``zero_shard.initial_shard``). ``gathered(params, modifier_rank)`` (DeepSpeed's
-``GatheredParameters``) materialises full values for a while and, with a modifier rank, writes
-that rank's changes back into every rank's shard.
+``ds_tensor``, with ``ds_id`` and ``ds_status``: ``zero_shard.mark_zero3``); ``ZeroPartition`` adopts
+those shards instead of cutting new ones (``zero_shard.initial_shard``). ``gathered(params,
+modifier_rank)`` (DeepSpeed's ``GatheredParameters``) materialises full values for a while
+(``ds_status`` AVAILABLE) and, with a modifier rank, writes that rank's changes back into every
+rank's shard; it works alike on the parameters the engine partitioned at stage 3.
 """
 
 from __future__ import annotations
