@@ -203,6 +203,32 @@ def attributes_rank(rank: int, world: int) -> dict:
     return out
 
 
+def offloaded_rank(rank: int, world: int) -> dict:
+    """offload_param: the shards' storage is released between steps; the idiom and a modifier still reach their values."""
+    import dscompile as deepspeed
+
+    model = build("tiny")
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE, "offload_param": {"device": "cpu"}},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    for x, y in batches("tiny", STEPS):
+        loss = engine(x[mine], y[mine])
+        engine.backward(loss)
+        engine.step()
+    out: dict = {"released": [n for n, p in model.named_parameters() if p.ds_tensor.untyped_storage().nbytes() == 0]}
+    out["saved"] = {k: v.clone() for k, v in save_zero_three_model(model, rank).items()}
+    out["engine_state"] = engine.zero.full_state()
+    with deepspeed.zero.GatheredParameters(model.head.weight, modifier_rank=0), torch.no_grad():
+        model.head.weight.fill_(0.5 if rank == 0 else 3.0)
+    with deepspeed.zero.GatheredParameters(model.head.weight):
+        out["modified"] = model.head.weight.unique().tolist()
+    return out
+
+
 def single_process(which: str) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The same training in one process, plain eager PyTorch on the whole batch; then the same modification."""
     model = build(which)
@@ -289,3 +315,12 @@ def test_deepspeed_status_enum_members():
     assert [m.name for m in ZeroParamStatus] == ["AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"]
     assert partition_parameters.ZeroParamStatus is ZeroParamStatus
     assert partition_parameters.GatheredParameters.__module__ == "dscompile.zero"
+
+
+def test_save_idiom_with_offloaded_parameters():
+    results = run_distributed_or_fail(offloaded_rank, WORLD, timeout=600)
+    assert "head.weight" in results[0]["released"]  # the case that needs the values read back
+    saved, engine_state = results[0]["saved"], results[0]["engine_state"]
+    assert list(saved) == list(engine_state)
+    assert all(torch.equal(saved[n], engine_state[n]) for n in saved)
+    assert [r["modified"] for r in results] == [[0.5], [0.5]]
