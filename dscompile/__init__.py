@@ -29,6 +29,7 @@ from dscompile.pipe import PipelineModule  # noqa: E402
 from dscompile.runtime import lr_schedules as _lr_schedules  # noqa: F401  (scripts use deepspeed.runtime.lr_schedules.X unimported)
 from dscompile.runtime import utils as _runtime_utils  # noqa: F401  (and deepspeed.runtime.utils.X)
 from dscompile.runtime.pipeline_markers import pipeline_split
+from dscompile.runtime.zero import partition_parameters as _partition_parameters  # noqa: F401  (and deepspeed.runtime.zero.partition_parameters.X)
 from dscompile.utils import OnDevice, log_dist, logger
 
 deepspeed_paths.install_finder()  # DeepSpeed modules dscompile refuses fail with the reason, not "No module named"

@@ -13,7 +13,6 @@ the model's own, ZeRO++ quantized or hierarchical weights, ``MiCS_Init``.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,14 +23,9 @@ from dscompile.accelerator import get_accelerator
 from dscompile.config import load_config
 from dscompile.errors import DSCompileNotSupportedError
 from dscompile.runtime.zero_init import ShardOnCreation, gathered, shard_module
+from dscompile.runtime.zero_shard import ZeroParamStatus
 
 __all__ = ["GatheredParameters", "Init", "MiCS_Init", "ZeroParamStatus", "register_external_parameter", "unregister_external_parameter"]
-
-
-class ZeroParamStatus(enum.Enum):
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 class Init:

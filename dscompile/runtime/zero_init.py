@@ -15,10 +15,11 @@ DeepSpeed's integration) would write into empty shards, so building a transforme
 refused: build it normally and let ZeRO-3 partition it at ``initialize``.
 
 The shard is recorded on the parameter under DeepSpeed's names (``ds_shape``, ``ds_numel``,
-``ds_tensor``); ``ZeroPartition`` adopts those shards instead of cutting new ones
-(``zero_shard.initial_shard``). ``gathered(params, modifier_rank)`` (DeepSpeed's
-``GatheredParameters``) materialises full values for a while and, with a modifier rank, writes
-that rank's changes back into every rank's shard.
+``ds_tensor``, with ``ds_id`` and ``ds_status``: ``zero_shard.mark_zero3``); ``ZeroPartition`` adopts
+those shards instead of cutting new ones (``zero_shard.initial_shard``). ``gathered(params,
+modifier_rank)`` (DeepSpeed's ``GatheredParameters``) materialises full values for a while
+(``ds_status`` AVAILABLE) and, with a modifier rank, writes that rank's changes back into every
+rank's shard; it works alike on the parameters the engine partitioned at stage 3.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.runtime.zero_shard import attach_shard, gather_sharded, is_sharded, shard_of
+from dscompile.runtime.zero_shard import (
+    ZERO3_ATTRIBUTES,
+    attach_shard,
+    gather_sharded,
+    is_sharded,
+    mark_zero3,
+    refresh_status,
+    shard_of,
+)
 
 _ZERO_INIT_DEPTH = 0  # nested ShardOnCreation contexts patch only once
 
@@ -60,6 +69,7 @@ def shard_parameter(param: nn.Parameter, group: dist.ProcessGroup | None = None,
         dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     attach_shard(param, shard_of(value, rank, world), tuple(value.shape), group)
     param.data = torch.empty(0, dtype=value.dtype, device=value.device)
+    mark_zero3(param, persistent=False)
 
 
 def shard_module(module: nn.Module, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None) -> nn.Module:
@@ -87,18 +97,24 @@ def gathered(params: Iterable[nn.Parameter] | nn.Parameter, modifier_rank: int |
         params = [params]
     sharded = [p for p in dict.fromkeys(params) if p is not None and is_sharded(p)]
     materialised = []
-    for p in sharded:
-        if p.data.numel() == 0 and p.ds_numel > 0:
-            p.data = gather_sharded(p)
-            materialised.append(p)
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as shards_resident:
+        for resident in dict.fromkeys(getattr(p, "_ds_resident", None) for p in sharded):
+            if resident is not None:  # offloaded shards (offload_param) hold their values while read and rewritten
+                shards_resident.enter_context(resident())
         for p in sharded:
-            if modifier_rank is not None:
-                _write_back(p, modifier_rank, p.ds_process_group)
-        for p in materialised:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if p.data.numel() == 0 and p.ds_numel > 0:
+                p.data = gather_sharded(p)
+                materialised.append(p)
+                refresh_status(p)
+        try:
+            yield
+        finally:
+            for p in sharded:
+                if modifier_rank is not None:
+                    _write_back(p, modifier_rank, p.ds_process_group)
+            for p in materialised:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                refresh_status(p)
 
 
 def _refuse_own_initialisation(module: nn.Module) -> None:
@@ -213,5 +229,6 @@ def materialize(module: nn.Module) -> None:
             if is_sharded(param):
                 if param.data.numel() == 0 and param.ds_numel > 0:
                     param.data = gather_sharded(param)
-                for name in ("ds_tensor", "ds_shape", "ds_numel", "ds_process_group"):
-                    delattr(param, name)
+                for name in ("ds_tensor", "ds_shape", "ds_numel", "ds_process_group", *ZERO3_ATTRIBUTES, "_ds_resident"):
+                    if hasattr(param, name):
+                        delattr(param, name)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -141,6 +143,48 @@ def attach_shard(param: torch.Tensor, shard: torch.Tensor, shape: tuple[int, ...
     param.ds_shape = torch.Size(shape)
     param.ds_numel = int(torch.Size(shape).numel())
     param.ds_process_group = group
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``ds_status`` of a ZeRO-3 parameter. ``AVAILABLE``: ``param.data`` holds the full value
+    (a persistent parameter, or inside ``GatheredParameters``); ``NOT_AVAILABLE``: only the shard
+    ``ds_tensor`` exists. ``INFLIGHT`` is never set here: the gathers of the step run inside the compiled
+    graphs on copies, and the parameter itself stays ``NOT_AVAILABLE`` throughout."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_ZERO3_IDS = itertools.count()
+ZERO3_ATTRIBUTES = ("ds_id", "ds_status", "ds_persist", "ds_active_sub_modules")
+"""What ZeRO-3 parameters carry besides the shard's attributes: scripts test ``hasattr(p, "ds_id")`` to tell
+a ZeRO-3 parameter, so parameters of the other stages do not carry them (as under DeepSpeed)."""
+
+
+def mark_zero3(param: torch.Tensor, persistent: bool) -> None:
+    """Give a sharded ZeRO-3 parameter DeepSpeed's ``ds_id`` (unique in the process, kept once given),
+    ``ds_persist``, ``ds_active_sub_modules`` (always empty: no module hooks fetch parameters here) and its
+    ``ds_status``."""
+    if not hasattr(param, "ds_id"):
+        param.ds_id = next(_ZERO3_IDS)
+        param.ds_active_sub_modules = set()
+    param.ds_persist = persistent
+    refresh_status(param)
+
+
+def refresh_status(param: torch.Tensor) -> None:
+    """Set ``ds_status`` from what ``param.data`` holds now (a ZeRO-3 parameter; others are left alone)."""
+    if hasattr(param, "ds_id"):
+        whole = param.data.numel() == param.ds_numel and (param.ds_numel > 0 or param.ds_persist)
+        param.ds_status = ZeroParamStatus.AVAILABLE if whole else ZeroParamStatus.NOT_AVAILABLE
+
+
+def forget_zero3(param: torch.Tensor) -> None:
+    """Drop the ZeRO-3 attributes (a parameter kept whole by the stage that trains it)."""
+    for name in ZERO3_ATTRIBUTES:
+        if hasattr(param, name):
+            delattr(param, name)
 
 
 def gather_sharded(param: torch.Tensor) -> torch.Tensor:
@@ -275,10 +319,16 @@ class ZeroPartition:
                 elif not layout.persistent:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 attach_shard(p, shard, layout.shape, group)
+                p._ds_resident = self.resident  # zero.GatheredParameters reads offloaded shards through it
+                if stage == 3:
+                    mark_zero3(p, layout.persistent)
+                else:
+                    forget_zero3(p)
             partitioned = {id(p) for p in self.full_params}
             for p in module.parameters():  # frozen parameters built under zero.Init are not partitioned: gather them
                 if id(p) not in partitioned and is_sharded(p) and p.numel() != p.ds_numel:
                     p.data = gather_sharded(p)
+                    refresh_status(p)
 
     def resident(self) -> contextlib.AbstractContextManager[None]:
         """Every shard holds its value inside (offloaded ones are read back, and written back on exit)."""
@@ -693,10 +743,12 @@ class ZeroModule(nn.Module):
         try:
             for p, layout in sharded:
                 p.data = values[layout.name]
+                refresh_status(p)
             yield
         finally:
             for p, _ in sharded:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                refresh_status(p)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors: dict[str, torch.Tensor] = {}
