@@ -323,6 +323,12 @@ class DSConfig:
     def accumulation_steps(self) -> int:
         return self.gradient_accumulation_steps or 1
 
+    def gradient_predivisor(self, world: int) -> float:
+        """What each rank divides its gradient by before the sum over ``world`` ranks (the sum is then divided by
+        ``world / this``): DeepSpeed's ``prescale_gradients`` (the world size) or ``gradient_predivide_factor``.
+        The mean is the same; the partial sums stay smaller, which keeps fp16 reductions from overflowing."""
+        return float(world) if self.prescale_gradients else float(self.gradient_predivide_factor)
+
 
 _OWN_KEYS = {f.name for f in dataclasses.fields(DSConfig)} - {"sections", "raw"}
 
@@ -437,6 +443,8 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         raise DSCompileConfigError("steps_per_print", f"must be positive, got {config.steps_per_print}")
     if config.prescale_gradients and config.gradient_predivide_factor != 1.0:
         raise DSCompileConfigError("gradient_predivide_factor", "cannot be combined with prescale_gradients", "set only one of them")
+    if config.gradient_predivide_factor <= 0:
+        raise DSCompileConfigError("gradient_predivide_factor", f"must be > 0, got {config.gradient_predivide_factor}")
     _check_compressed_comm_optimizer(config)
     if config.pipeline is not None:
         from dscompile.errors import DSCompilePipelineError

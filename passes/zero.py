@@ -346,7 +346,7 @@ def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptio
             elif node._erased:  # an offloaded shard's read used in place (world 1)
                 in_place.append(source)
         elif node.target is zero_ops.REDUCE_SCATTER:
-            if _insert_reduce_scatter(graph, node):
+            if _insert_reduce_scatter(graph, node, ctx.config):
                 counts["reduce_scatter"] += 1
     if in_place:
         _pin_reads(graph, in_place)
@@ -555,20 +555,26 @@ def _view_closure(value: torch.fx.Node) -> set[torch.fx.Node]:
     return found
 
 
-def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node, config: Any = None) -> bool:
+    """The gradient's mean over the ranks: reduce-scatter (sum) and divide. With ``prescale_gradients`` /
+    ``gradient_predivide_factor`` (``DSConfig.gradient_predivisor``) part of the division moves before the sum,
+    as DeepSpeed's all-reduce path does it (the sum of fp16 gradients then stays in range)."""
     grad, length, group = node.args
     world = _group_size(group)
     if world is None:
         log.info("%s: no process group, leaving the eager zero_reduce_scatter in place", node.name)
         return False
     numel = node_value(grad).numel()
+    predivisor = config.gradient_predivisor(world) if hasattr(config, "gradient_predivisor") else 1.0
     with graph.inserting_before(node):
         flat = new_node(graph, aten.reshape.default, (grad, [-1]))
         if numel != world * length:
             flat = new_node(graph, aten.constant_pad_nd.default, (flat, [0, world * length - numel]))
+        if predivisor != 1.0:
+            flat = new_node(graph, aten.div.Tensor, (flat, predivisor))
         start = new_node(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
         wait = new_node(graph, c10d.wait_tensor.default, (start,))
-        out = new_node(graph, aten.div.Tensor, (wait, world))
+        out = new_node(graph, aten.div.Tensor, (wait, world if predivisor == 1.0 else world / predivisor))
     ds_meta(start)["zero"] = {"kind": "reduce_scatter", "elements": world * length, "group": group, "world": world, "shard_numel": length, "members": 1}
     node.replace_all_uses_with(out)
     graph.erase_node(node)

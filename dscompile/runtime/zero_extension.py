@@ -133,6 +133,7 @@ class ZeroGradients(GradientStrategy):
                 self._refuse_unused()
             return  # ZeRO-2/3 reduce-scattered in the backward graphs; ZeRO-1's reduce below checks its agreed counts
         zero.comm_dtype = engine.communication_data_type
+        zero.predivisor = engine.config.gradient_predivisor(zero.world)
         itemsize = (engine.communication_data_type or zero.shards[0].dtype).itemsize
         nbytes = sum(layout.shard_numel * zero.world for layout in zero.layouts) * itemsize
         with engine.comm_stats.timed("zero", "reduce_scatter", nbytes if zero.world > 1 else 0):
