@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
 import typing
@@ -29,6 +30,18 @@ UNFILLED_AUTO = (
     "write the value here, or hand the config to the Trainer (TrainingArguments(deepspeed=...)) or Accelerate, which fill it",
 )
 """Why a raw ``"auto"`` is refused, and the fix (every numeric or boolean key says the same)."""
+
+
+_log = logging.getLogger("dscompile.config")
+_NO_EFFECT_LOGGED: set[str] = set()
+
+
+def log_no_effect(path: str, why: str) -> None:
+    """A DeepSpeed key that is accepted and changes nothing here: one warning per process naming it and saying why."""
+    if path in _NO_EFFECT_LOGGED:
+        return
+    _NO_EFFECT_LOGGED.add(path)
+    _log.warning("%s has no effect in dscompile: %s", path, why)
 
 
 def refuse_unfilled_auto(path: str, value: Any) -> None:

@@ -32,7 +32,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dscompile.config import parse_dataclass, register_section, unbuilt
+from dscompile.config import log_no_effect, parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.passes.offload import OffloadOptimizerConfig, OffloadParamConfig
@@ -67,17 +67,18 @@ class ZeroConfig:
     all), nearest reuses first, at most ``stage3_max_live_parameters`` elements kept.
     ``contiguous_gradients``, ``round_robin_gradients``,
     ``memory_efficient_linear``, ``use_multi_rank_bucket_allreduce``,
-    ``compute_grad_norm`` (dscompile computes the norm only to clip), ``legacy_stage1``,
+    ``legacy_stage1``,
     ``parameter_alignment``, ``stage3_module_granularity_threshold``, ``leaf_module``,
     ``stage3_use_all_reduce_for_fetch_params``, ``stage3_allgather_sequential``,
     ``enable_sanity_checks``, ``log_trace_cache_warnings`` and
     ``save_muon_momentum_buffer_in_memory`` are accepted and change nothing here (they tune
     DeepSpeed's own buffers, hooks and logs; the maths is the same); ``reduce_scatter: false`` (an
-    all-reduce instead) is logged and reduce-scattered all the same; ``elastic_checkpoint`` too:
-    every ZeRO checkpoint here loads on any world size. ``override_module_apply`` is read by
+    all-reduce instead) is logged and reduce-scattered all the same; ``elastic_checkpoint`` is logged
+    as having no effect: every ZeRO checkpoint here loads on any world size. ``override_module_apply`` is read by
     ``zero.Init``. The ``stage3_``-less spellings DeepSpeed also accepts (``prefetch_bucket_size``,
     ...) are read as the ``stage3_`` keys. Read by the engine (``runtime/zero_extension.py``):
-    ``allgather_partitions`` (false: the post-step refresh is one broadcast per rank),
+    ``allgather_partitions`` (false: the post-step refresh is one broadcast per rank), ``compute_grad_norm`` (true, the
+    default: the global norm every step, for ``get_global_grad_norm()``; false, stages 1-2 without clipping: None),
     ``stage3_model_persistence_threshold`` (total elements of small parameters kept whole),
     ``ignore_unused_parameters`` (false: a parameter with no gradient is an error),
     ``stage3_gather_16bit_weights_on_model_save`` (``engine.save_16bit_model`` gathers under ZeRO-3;
@@ -206,6 +207,8 @@ class ZeroConfig:
                 "hold the fp32 master shards and always restore them",
                 "drop the key (true, the default, is what dscompile does)",
             )
+        if not self.compute_grad_norm and self.stage not in (1, 2):
+            raise DSCompileConfigError(f"{path}.compute_grad_norm", "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)", "drop the key")
         if not self.reduce_scatter:
             log.info("%s.reduce_scatter=false: dscompile always reduce-scatters (same result as DeepSpeed's all-reduce path)", path)
         if self.overlap_comm is None:
@@ -238,6 +241,8 @@ _STAGE3_ALIASES = {
 def _parse_section(value: Any, path: str) -> ZeroConfig:
     if isinstance(value, dict):
         value = dict(value)
+        if "elastic_checkpoint" in value:
+            log_no_effect(f"{path}.elastic_checkpoint", "every dscompile ZeRO checkpoint loads on any world size (resharded on load), whatever it says")
         for short, long in _STAGE3_ALIASES.items():
             if short in value:
                 if long in value:
