@@ -44,6 +44,14 @@ def log_no_effect(path: str, why: str) -> None:
     _log.warning("%s has no effect in dscompile: %s", path, why)
 
 
+def log_no_effect_keys(path: str, given: Any, why: Mapping[str, str]) -> None:
+    """``log_no_effect`` for each key of ``why`` that the section ``given`` (its raw mapping) sets."""
+    if isinstance(given, Mapping):
+        for key, reason in why.items():
+            if key in given:
+                log_no_effect(f"{path}.{key}", reason)
+
+
 def refuse_unfilled_auto(path: str, value: Any) -> None:
     """An ``"auto"`` that no Trainer filled in: refused naming the key, never compared with a number."""
     if isinstance(value, str) and value == "auto":
@@ -447,6 +455,7 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
                 sections["pipeline_parallel"] = parsed
         else:
             raise DSCompileNotSupportedError("pipeline", "pipeline parallelism")
+    log_no_effect_keys("optimizer", own.get("optimizer"), {"legacy_fusion": "it picks DeepSpeed's fp16 optimizer implementation; the maths is the same"})
     config = parse_dataclass(DSConfig, own, "")
     config.sections = sections
     config.raw = dict(data)

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dscompile.config import log_no_effect, register_section
+from dscompile.config import log_no_effect, log_no_effect_keys, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
 
 Check = Callable[[str, Any], None]
@@ -126,11 +126,16 @@ _switched_section(
 
 # -- sections checked value by value ------------------------------------------------------------
 # Read by NVMe offload (passes/offload.py: block_size, intra_op_parallelism/thread_count; use_gds refused there).
+def _check_aio(path: str, section: Mapping[str, Any]) -> None:
+    log_no_effect_keys(path, section, dict.fromkeys(("queue_depth", "single_submit", "overlap_events"), _AIO_WHY))
+
+
+_AIO_WHY = "it tunes DeepSpeed's libaio submission; the NVMe swap here reads and writes whole tiles with threads (block_size, thread_count)"
 _checked_section(
     "aio",
     "asynchronous NVMe I/O",
     ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events", "use_gds"),
-    None,
+    _check_aio,
 )
 
 _TAG_VALIDATION = ("ignore", "warn", "fail")
@@ -206,12 +211,20 @@ _checked_section(
 _checked_section("data_types", "mixed-precision data types", ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"), _check_data_types)
 
 
+_DEEPCOMPILE_TUNING = (
+    "free_activation", "free_activation_threshold", "offload_activation_pin_memory", "double_buffer", "symmetric_memory", "debug_log",
+    "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+    "keep_all_input_tensors",
+)  # fmt: skip
+
+
 def _check_compile(path: str, section: Mapping[str, Any]) -> None:
     """``deepcompile`` is DeepSpeed's compiler for ZeRO; dscompile always compiles and its ZeRO passes are that
     compiler's, so both values mean the same here (logged). The sync/debug/buffer switches only schedule
     DeepCompile's own kernels."""
     if "deepcompile" in section:
         log_no_effect(f"{path}.deepcompile", "dscompile always compiles, and its ZeRO passes do DeepCompile's work: true and false mean the same")
+    log_no_effect_keys(path, section, dict.fromkeys(_DEEPCOMPILE_TUNING, "it schedules DeepCompile's own kernels and buffers; dscompile's passes plan these"))
     for key, capability in (
         ("offload_activation", "offloading activations to the host"),
         ("offload_opt_states", "offloading optimizer states to the host"),
@@ -321,7 +334,12 @@ def _check_vocabulary_size(path: str, value: Any) -> None:
 
 
 _scalar("zero_force_ds_cpu_optimizer", "ZeRO-Offload's CPU optimizer", _check_force_ds_cpu_optimizer)
-_scalar("use_data_before_expert_parallelism", "expert parallelism (only read with MoE, which is refused)", _accepted_bool)
+def _check_data_before_ep(path: str, value: Any) -> None:
+    _bool(path, value)
+    log_no_effect(path, "DeepSpeed reads it only with expert parallelism (MoE), which is not built")
+
+
+_scalar("use_data_before_expert_parallelism", "expert parallelism (only read with MoE, which is refused)", _check_data_before_ep)
 _scalar("seq_parallel_communication_data_type", "sequence parallelism's all-to-all data type", _check_sp_dtype)
 _scalar("sequence_parallel_size", "Ulysses sequence parallelism", _check_sequence_parallel_size)
 _scalar("data_parallel_size", "a device mesh (DeepSpeed reads it only with sequence_parallel_size)", _optional_int)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 import torch.fx
 
-from dscompile.config import log_no_effect, parse_dataclass, register_section
+from dscompile.config import log_no_effect, log_no_effect_keys, parse_dataclass, register_section
 from dscompile.cost import evaluate, nbytes, node_cost
 from dscompile.errors import DSCompileConfigError
 from dscompile.graph import ds_meta, is_collective, node_value
@@ -119,6 +119,12 @@ class PipelineParallelConfig:
         return self.stages * (self.virtual_stages or 1)
 
 
+_TP_GROUP = "it splits over a tensor-parallel group that the pipeline engine does not build: nothing to split, as in DeepSpeed without one"
+_NO_EFFECT = {
+    "pipe_partitioned": _TP_GROUP,
+    "grad_partitioned": _TP_GROUP,
+    "use_reentrant": "it picks DeepSpeed's recomputation API; the gradients are the same",
+}
 _PIPELINE_MODULE_KEYS = {
     "partition": "pipeline.partition_method (or dscompile.pipe.PipelineModule(partition_method=...)) chooses the cut",
     "seed_layers": "dscompile.pipe.PipelineModule(seed_layers=...) seeds the layers",
@@ -127,6 +133,7 @@ _PIPELINE_MODULE_KEYS = {
 
 def _parse_section(value: Any, path: str) -> PipelineParallelConfig | None:
     """None for DeepSpeed's ``"stages": "auto"``: the stage count comes from a PipelineModule."""
+    log_no_effect_keys(path, value, _NO_EFFECT)
     if isinstance(value, Mapping):
         for key in ("partition", "seed_layers"):
             if key in value:

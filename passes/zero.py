@@ -32,7 +32,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dscompile.config import log_no_effect, parse_dataclass, register_section, unbuilt
+from dscompile.config import log_no_effect, log_no_effect_keys, parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.passes.offload import OffloadOptimizerConfig, OffloadParamConfig
@@ -209,8 +209,6 @@ class ZeroConfig:
             )
         if not self.compute_grad_norm and self.stage not in (1, 2):
             raise DSCompileConfigError(f"{path}.compute_grad_norm", "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)", "drop the key")
-        if not self.reduce_scatter:
-            log.info("%s.reduce_scatter=false: dscompile always reduce-scatters (same result as DeepSpeed's all-reduce path)", path)
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
         if not isinstance(self.profile_steps, int) or isinstance(self.profile_steps, bool) or self.profile_steps < 0:
@@ -238,16 +236,37 @@ _STAGE3_ALIASES = {
 }
 
 
+_SAME = "it tunes DeepSpeed's own buffers, hooks or logs; the compiled graphs do the same maths without them"
+_NO_EFFECT = {
+    "contiguous_gradients": "ZeRO-2/3 gradients here are the graph's reduce-scatter outputs, already one buffer per bucket",
+    "round_robin_gradients": "it orders DeepSpeed's copies into its CPU-offload buffers; the offloaded step reads each shard's gradient in place",
+    "memory_efficient_linear": "it picks DeepSpeed's ZeRO-3 linear autograd function; the compiled graph releases gathered weights itself",
+    "use_multi_rank_bucket_allreduce": _SAME,
+    "stage3_use_all_reduce_for_fetch_params": _SAME,
+    "stage3_allgather_sequential": _SAME,
+    "legacy_stage1": _SAME,
+    "parameter_alignment": _SAME,
+    "log_trace_cache_warnings": _SAME,
+    "enable_sanity_checks": _SAME,
+    "save_muon_momentum_buffer_in_memory": _SAME,
+    "stage3_module_granularity_threshold": "it sets DeepSpeed's ZeRO-3 hook granularity; the compiled graph places gathers per use",
+    "leaf_module": "it marks DeepSpeed's ZeRO-3 leaf modules for its hooks; the compiled graph sees through modules",
+    "elastic_checkpoint": 'every dscompile ZeRO checkpoint loads on any world size (resharded on load), whatever it says',
+}
+"""ZeRO keys accepted with no effect here, and why (logged once when given)."""
+
+
 def _parse_section(value: Any, path: str) -> ZeroConfig:
     if isinstance(value, dict):
         value = dict(value)
-        if "elastic_checkpoint" in value:
-            log_no_effect(f"{path}.elastic_checkpoint", "every dscompile ZeRO checkpoint loads on any world size (resharded on load), whatever it says")
         for short, long in _STAGE3_ALIASES.items():
             if short in value:
                 if long in value:
                     raise DSCompileConfigError(f"{path}.{short}", f"given twice, also as {long}", "keep one of them")
                 value[long] = value.pop(short)
+        log_no_effect_keys(path, value, _NO_EFFECT)
+        if value.get("reduce_scatter") is False:
+            log_no_effect(f"{path}.reduce_scatter", "false (an all-reduce) is reduce-scattered all the same: the same mean, fewer bytes")
     return parse_dataclass(ZeroConfig, value, path)
 
 
