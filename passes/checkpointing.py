@@ -70,7 +70,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dscompile.config import log_no_effect_keys, parse_dataclass, register_section
+from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, is_collective, node_value, set_fake_value, tensor_values
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
@@ -148,9 +148,6 @@ class PartitionGroupMissingError(DSCompileConfigError):
 
 
 def _parse_section(value: Any, path: str) -> ActivationCheckpointingConfig:
-    log_no_effect_keys(
-        path, value, {"contiguous_memory_optimization": "DeepSpeed's copy of checkpoints into one buffer; the compiled graph's allocator plans them"}
-    )
     return parse_dataclass(ActivationCheckpointingConfig, value, path)
 
 

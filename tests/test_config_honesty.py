@@ -158,6 +158,7 @@ REFUSED: dict[str, dict[str, Any]] = {
     "checkpoint.load_universal": {"checkpoint": {"load_universal": True}},
     "checkpoint.use_node_local_storage": {"checkpoint": {"use_node_local_storage": True}},
     "checkpoint.parallel_write.pipeline_stage": {"checkpoint": {"parallel_write": {"pipeline_stage": True}}},
+    "activation_checkpointing.contiguous_memory_optimization": {"activation_checkpointing": {"contiguous_memory_optimization": True}},
     "compile.autoep_non_moe": {"compile": {"autoep_non_moe": True}},
     "compile.offload_activation": {"compile": {"offload_activation": True}},
     "compile.offload_opt_states": {"compile": {"offload_opt_states": True}},
@@ -179,7 +180,6 @@ NO_EFFECT: set[str] = {
             "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
         )
     ),
-    "activation_checkpointing.contiguous_memory_optimization",
     "pipeline.partition",
     "pipeline.seed_layers",
     "pipeline.pipe_partitioned",
