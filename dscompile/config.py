@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
 import typing
@@ -29,6 +30,26 @@ UNFILLED_AUTO = (
     "write the value here, or hand the config to the Trainer (TrainingArguments(deepspeed=...)) or Accelerate, which fill it",
 )
 """Why a raw ``"auto"`` is refused, and the fix (every numeric or boolean key says the same)."""
+
+
+_log = logging.getLogger("dscompile.config")
+_NO_EFFECT_LOGGED: set[str] = set()
+
+
+def log_no_effect(path: str, why: str) -> None:
+    """A DeepSpeed key that is accepted and changes nothing here: one warning per process naming it and saying why."""
+    if path in _NO_EFFECT_LOGGED:
+        return
+    _NO_EFFECT_LOGGED.add(path)
+    _log.warning("%s has no effect in dscompile: %s", path, why)
+
+
+def log_no_effect_keys(path: str, given: Any, why: Mapping[str, str]) -> None:
+    """``log_no_effect`` for each key of ``why`` that the section ``given`` (its raw mapping) sets."""
+    if isinstance(given, Mapping):
+        for key, reason in why.items():
+            if key in given:
+                log_no_effect(f"{path}.{key}", reason)
 
 
 def refuse_unfilled_auto(path: str, value: Any) -> None:
@@ -323,6 +344,12 @@ class DSConfig:
     def accumulation_steps(self) -> int:
         return self.gradient_accumulation_steps or 1
 
+    def gradient_predivisor(self, world: int) -> float:
+        """What each rank divides its gradient by before the sum over ``world`` ranks (the sum is then divided by
+        ``world / this``): DeepSpeed's ``prescale_gradients`` (the world size) or ``gradient_predivide_factor``.
+        The mean is the same; the partial sums stay smaller, which keeps fp16 reductions from overflowing."""
+        return float(world) if self.prescale_gradients else float(self.gradient_predivide_factor)
+
 
 _OWN_KEYS = {f.name for f in dataclasses.fields(DSConfig)} - {"sections", "raw"}
 
@@ -428,6 +455,7 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
                 sections["pipeline_parallel"] = parsed
         else:
             raise DSCompileNotSupportedError("pipeline", "pipeline parallelism")
+    log_no_effect_keys("optimizer", own.get("optimizer"), {"legacy_fusion": "it picks DeepSpeed's fp16 optimizer implementation; the maths is the same"})
     config = parse_dataclass(DSConfig, own, "")
     config.sections = sections
     config.raw = dict(data)
@@ -437,6 +465,8 @@ def _parse_top_level(data: dict[str, Any]) -> DSConfig:
         raise DSCompileConfigError("steps_per_print", f"must be positive, got {config.steps_per_print}")
     if config.prescale_gradients and config.gradient_predivide_factor != 1.0:
         raise DSCompileConfigError("gradient_predivide_factor", "cannot be combined with prescale_gradients", "set only one of them")
+    if config.gradient_predivide_factor <= 0:
+        raise DSCompileConfigError("gradient_predivide_factor", f"must be > 0, got {config.gradient_predivide_factor}")
     _check_compressed_comm_optimizer(config)
     if config.pipeline is not None:
         from dscompile.errors import DSCompilePipelineError

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dscompile.config import register_section
+from dscompile.config import log_no_effect, log_no_effect_keys, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, suggest
 
 Check = Callable[[str, Any], None]
@@ -126,11 +126,16 @@ _switched_section(
 
 # -- sections checked value by value ------------------------------------------------------------
 # Read by NVMe offload (passes/offload.py: block_size, intra_op_parallelism/thread_count; use_gds refused there).
+def _check_aio(path: str, section: Mapping[str, Any]) -> None:
+    log_no_effect_keys(path, section, dict.fromkeys(("queue_depth", "single_submit", "overlap_events"), _AIO_WHY))
+
+
+_AIO_WHY = "it tunes DeepSpeed's libaio submission; the NVMe swap here reads and writes whole tiles with threads (block_size, thread_count)"
 _checked_section(
     "aio",
     "asynchronous NVMe I/O",
     ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events", "use_gds"),
-    None,
+    _check_aio,
 )
 
 _TAG_VALIDATION = ("ignore", "warn", "fail")
@@ -140,9 +145,7 @@ def _check_checkpoint(path: str, section: Mapping[str, Any]) -> None:
     mode = section.get("tag_validation", "Warn")
     if not isinstance(mode, str) or mode.lower() not in _TAG_VALIDATION:
         raise DSCompileConfigError(f"{path}.tag_validation", f"{mode!r} is not a validation mode", "use Ignore, Warn or Fail")
-    # Every rank of a dscompile checkpoint writes under the tag it is given; checking that the
-    # ranks agree on it (and failing otherwise) is not built.
-    _refuse_when(f"{path}.tag_validation", mode.lower() == "fail", "failing on checkpoint tags that differ between ranks")
+    # read by the engines' save_checkpoint (runtime/checkpoint_io.check_tag_agreement)
     _refuse_when(f"{path}.load_universal", bool(section.get("load_universal", False)), "universal checkpoints")
     _refuse_when(f"{path}.use_node_local_storage", bool(section.get("use_node_local_storage", False)), "node-local checkpoint storage")
     parallel = _expect_mapping(f"{path}.parallel_write", section.get("parallel_write", {}))
@@ -208,10 +211,20 @@ _checked_section(
 _checked_section("data_types", "mixed-precision data types", ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"), _check_data_types)
 
 
+_DEEPCOMPILE_TUNING = (
+    "free_activation", "free_activation_threshold", "offload_activation_pin_memory", "double_buffer", "symmetric_memory", "debug_log",
+    "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+    "keep_all_input_tensors",
+)  # fmt: skip
+
+
 def _check_compile(path: str, section: Mapping[str, Any]) -> None:
-    # ``deepcompile`` is DeepSpeed's compiler for ZeRO; dscompile always compiles and its ZeRO passes
-    # are that compiler's, so both values mean the same here. The sync/debug/buffer switches only
-    # schedule DeepCompile's own kernels.
+    """``deepcompile`` is DeepSpeed's compiler for ZeRO; dscompile always compiles and its ZeRO passes are that
+    compiler's, so both values mean the same here (logged). The sync/debug/buffer switches only schedule
+    DeepCompile's own kernels."""
+    if "deepcompile" in section:
+        log_no_effect(f"{path}.deepcompile", "dscompile always compiles, and its ZeRO passes do DeepCompile's work: true and false mean the same")
+    log_no_effect_keys(path, section, dict.fromkeys(_DEEPCOMPILE_TUNING, "it schedules DeepCompile's own kernels and buffers; dscompile's passes plan these"))
     for key, capability in (
         ("offload_activation", "offloading activations to the host"),
         ("offload_opt_states", "offloading optimizer states to the host"),
@@ -304,15 +317,32 @@ for _key, _on, _capability in (
 ):
     _scalar(_key, _capability, _bool_refused_when(_on, _capability))
 _scalar("gradient_allreduce_op", "summed gradients", _check_allreduce_op)
-_scalar(
-    "zero_force_ds_cpu_optimizer",
-    "ZeRO-Offload's CPU optimizer (the offloaded step always runs torch's CPU implementation of the configured optimizer)",
-    _accepted_bool,
-)
-_scalar("use_data_before_expert_parallelism", "expert parallelism (only read with MoE, which is refused)", _accepted_bool)
+def _check_force_ds_cpu_optimizer(path: str, value: Any) -> None:
+    _bool(path, value)
+    log_no_effect(
+        path,
+        "DeepSpeed refuses a client optimizer under ZeRO-Offload unless it is DeepSpeedCPUAdam; dscompile's offloaded step runs "
+        "the configured optimizer's own CPU implementation, so there is nothing to force",
+    )
+
+
+def _check_vocabulary_size(path: str, value: Any) -> None:
+    """DeepSpeed's only use: a warning when the vocabulary is not a multiple of 8 (tensor cores)."""
+    _optional_int(path, value)
+    if value is not None and value % 8:
+        logging.getLogger("dscompile.config").warning("%s %d is not a multiple of 8: matmuls over it may not use tensor cores fully", path, value)
+
+
+_scalar("zero_force_ds_cpu_optimizer", "ZeRO-Offload's CPU optimizer", _check_force_ds_cpu_optimizer)
+def _check_data_before_ep(path: str, value: Any) -> None:
+    _bool(path, value)
+    log_no_effect(path, "DeepSpeed reads it only with expert parallelism (MoE), which is not built")
+
+
+_scalar("use_data_before_expert_parallelism", "expert parallelism (only read with MoE, which is refused)", _check_data_before_ep)
 _scalar("seq_parallel_communication_data_type", "sequence parallelism's all-to-all data type", _check_sp_dtype)
 _scalar("sequence_parallel_size", "Ulysses sequence parallelism", _check_sequence_parallel_size)
 _scalar("data_parallel_size", "a device mesh (DeepSpeed reads it only with sequence_parallel_size)", _optional_int)
-_scalar("vocabulary_size", "DeepSpeed's fp16 vocabulary check", _optional_int)
+_scalar("vocabulary_size", "DeepSpeed's vocabulary alignment warning", _check_vocabulary_size)
 _scalar("log_level", "the log level", _check_log_level)
 _scalar("dataloader_drop_last", "the DeepSpeed dataloader's last partial batch", _accepted_bool)

@@ -61,7 +61,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from dscompile.config import parse_dataclass, register_section
+from dscompile.config import log_no_effect_keys, parse_dataclass, register_section
 from dscompile.deepspeed_config import autocast_precision
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, fake_mode_of, node_value, set_fake_value, tensor_values
@@ -147,7 +147,12 @@ class BF16Config:
 
 
 register_section("fp16", lambda value, path: parse_dataclass(FP16Config, value, path), "fp16 mixed precision")
-register_section("bf16", lambda value, path: parse_dataclass(BF16Config, value, path), "bf16 mixed precision")
+def _parse_bf16(value: Any, path: str) -> BF16Config:
+    log_no_effect_keys(path, value, {"immediate_grad_update": "it picks when DeepSpeed's bf16 optimizer copies gradients; the maths is the same"})
+    return parse_dataclass(BF16Config, value, path)
+
+
+register_section("bf16", _parse_bf16, "bf16 mixed precision")
 
 
 def precision_of(config: Any) -> str | None:

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.fx
 
-from dscompile.config import parse_dataclass, register_section
+from dscompile.config import log_no_effect, log_no_effect_keys, parse_dataclass, register_section
 from dscompile.cost import evaluate, nbytes, node_cost
 from dscompile.errors import DSCompileConfigError
 from dscompile.graph import ds_meta, is_collective, node_value
@@ -119,8 +119,27 @@ class PipelineParallelConfig:
         return self.stages * (self.virtual_stages or 1)
 
 
+_TP_GROUP = "it splits over a tensor-parallel group that the pipeline engine does not build: nothing to split, as in DeepSpeed without one"
+_NO_EFFECT = {
+    "pipe_partitioned": _TP_GROUP,
+    "grad_partitioned": _TP_GROUP,
+    "use_reentrant": "it picks DeepSpeed's recomputation API; the gradients are the same",
+}
+_PIPELINE_MODULE_KEYS = {
+    "partition": "pipeline.partition_method (or dscompile.pipe.PipelineModule(partition_method=...)) chooses the cut",
+    "seed_layers": "dscompile.pipe.PipelineModule(seed_layers=...) seeds the layers",
+}
+
+
 def _parse_section(value: Any, path: str) -> PipelineParallelConfig | None:
     """None for DeepSpeed's ``"stages": "auto"``: the stage count comes from a PipelineModule."""
+    log_no_effect_keys(path, value, _NO_EFFECT)
+    if isinstance(value, Mapping):
+        for key in ("partition", "seed_layers"):
+            if key in value:
+                log_no_effect(
+                    f"{path}.{key}", f"DeepSpeed reads it from PipelineModule(...) arguments, never from the config; here {_PIPELINE_MODULE_KEYS[key]}"
+                )
     if isinstance(value, dict) and value.get("stages") == "auto":
         parse_dataclass(PipelineParallelConfig, {k: v for k, v in value.items() if k != "stages"}, path)  # check the other keys
         return None

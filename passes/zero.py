@@ -32,7 +32,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dscompile.config import parse_dataclass, register_section, unbuilt
+from dscompile.config import log_no_effect, log_no_effect_keys, parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.passes.offload import OffloadOptimizerConfig, OffloadParamConfig
@@ -67,17 +67,18 @@ class ZeroConfig:
     all), nearest reuses first, at most ``stage3_max_live_parameters`` elements kept.
     ``contiguous_gradients``, ``round_robin_gradients``,
     ``memory_efficient_linear``, ``use_multi_rank_bucket_allreduce``,
-    ``compute_grad_norm`` (dscompile computes the norm only to clip), ``legacy_stage1``,
+    ``legacy_stage1``,
     ``parameter_alignment``, ``stage3_module_granularity_threshold``, ``leaf_module``,
     ``stage3_use_all_reduce_for_fetch_params``, ``stage3_allgather_sequential``,
     ``enable_sanity_checks``, ``log_trace_cache_warnings`` and
     ``save_muon_momentum_buffer_in_memory`` are accepted and change nothing here (they tune
     DeepSpeed's own buffers, hooks and logs; the maths is the same); ``reduce_scatter: false`` (an
-    all-reduce instead) is logged and reduce-scattered all the same; ``elastic_checkpoint`` too:
-    every ZeRO checkpoint here loads on any world size. ``override_module_apply`` is read by
+    all-reduce instead) is logged and reduce-scattered all the same; ``elastic_checkpoint`` is logged
+    as having no effect: every ZeRO checkpoint here loads on any world size. ``override_module_apply`` is read by
     ``zero.Init``. The ``stage3_``-less spellings DeepSpeed also accepts (``prefetch_bucket_size``,
     ...) are read as the ``stage3_`` keys. Read by the engine (``runtime/zero_extension.py``):
-    ``allgather_partitions`` (false: the post-step refresh is one broadcast per rank),
+    ``allgather_partitions`` (false: the post-step refresh is one broadcast per rank), ``compute_grad_norm`` (true, the
+    default: the global norm every step, for ``get_global_grad_norm()``; false, stages 1-2 without clipping: None),
     ``stage3_model_persistence_threshold`` (total elements of small parameters kept whole),
     ``ignore_unused_parameters`` (false: a parameter with no gradient is an error),
     ``stage3_gather_16bit_weights_on_model_save`` (``engine.save_16bit_model`` gathers under ZeRO-3;
@@ -206,8 +207,8 @@ class ZeroConfig:
                 "hold the fp32 master shards and always restore them",
                 "drop the key (true, the default, is what dscompile does)",
             )
-        if not self.reduce_scatter:
-            log.info("%s.reduce_scatter=false: dscompile always reduce-scatters (same result as DeepSpeed's all-reduce path)", path)
+        if not self.compute_grad_norm and self.stage not in (1, 2):
+            raise DSCompileConfigError(f"{path}.compute_grad_norm", "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)", "drop the key")
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
         if not isinstance(self.profile_steps, int) or isinstance(self.profile_steps, bool) or self.profile_steps < 0:
@@ -235,6 +236,26 @@ _STAGE3_ALIASES = {
 }
 
 
+_SAME = "it tunes DeepSpeed's own buffers, hooks or logs; the compiled graphs do the same maths without them"
+_NO_EFFECT = {
+    "contiguous_gradients": "ZeRO-2/3 gradients here are the graph's reduce-scatter outputs, already one buffer per bucket",
+    "round_robin_gradients": "it orders DeepSpeed's copies into its CPU-offload buffers; the offloaded step reads each shard's gradient in place",
+    "memory_efficient_linear": "it picks DeepSpeed's ZeRO-3 linear autograd function; the compiled graph releases gathered weights itself",
+    "use_multi_rank_bucket_allreduce": _SAME,
+    "stage3_use_all_reduce_for_fetch_params": _SAME,
+    "stage3_allgather_sequential": _SAME,
+    "legacy_stage1": _SAME,
+    "parameter_alignment": _SAME,
+    "log_trace_cache_warnings": _SAME,
+    "enable_sanity_checks": _SAME,
+    "save_muon_momentum_buffer_in_memory": _SAME,
+    "stage3_module_granularity_threshold": "it sets DeepSpeed's ZeRO-3 hook granularity; the compiled graph places gathers per use",
+    "leaf_module": "it marks DeepSpeed's ZeRO-3 leaf modules for its hooks; the compiled graph sees through modules",
+    "elastic_checkpoint": 'every dscompile ZeRO checkpoint loads on any world size (resharded on load), whatever it says',
+}
+"""ZeRO keys accepted with no effect here, and why (logged once when given)."""
+
+
 def _parse_section(value: Any, path: str) -> ZeroConfig:
     if isinstance(value, dict):
         value = dict(value)
@@ -243,6 +264,9 @@ def _parse_section(value: Any, path: str) -> ZeroConfig:
                 if long in value:
                     raise DSCompileConfigError(f"{path}.{short}", f"given twice, also as {long}", "keep one of them")
                 value[long] = value.pop(short)
+        log_no_effect_keys(path, value, _NO_EFFECT)
+        if value.get("reduce_scatter") is False:
+            log_no_effect(f"{path}.reduce_scatter", "false (an all-reduce) is reduce-scattered all the same: the same mean, fewer bytes")
     return parse_dataclass(ZeroConfig, value, path)
 
 
@@ -346,7 +370,7 @@ def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptio
             elif node._erased:  # an offloaded shard's read used in place (world 1)
                 in_place.append(source)
         elif node.target is zero_ops.REDUCE_SCATTER:
-            if _insert_reduce_scatter(graph, node):
+            if _insert_reduce_scatter(graph, node, ctx.config):
                 counts["reduce_scatter"] += 1
     if in_place:
         _pin_reads(graph, in_place)
@@ -555,20 +579,26 @@ def _view_closure(value: torch.fx.Node) -> set[torch.fx.Node]:
     return found
 
 
-def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+def _insert_reduce_scatter(graph: torch.fx.Graph, node: torch.fx.Node, config: Any = None) -> bool:
+    """The gradient's mean over the ranks: reduce-scatter (sum) and divide. With ``prescale_gradients`` /
+    ``gradient_predivide_factor`` (``DSConfig.gradient_predivisor``) part of the division moves before the sum,
+    as DeepSpeed's all-reduce path does it (the sum of fp16 gradients then stays in range)."""
     grad, length, group = node.args
     world = _group_size(group)
     if world is None:
         log.info("%s: no process group, leaving the eager zero_reduce_scatter in place", node.name)
         return False
     numel = node_value(grad).numel()
+    predivisor = config.gradient_predivisor(world) if hasattr(config, "gradient_predivisor") else 1.0
     with graph.inserting_before(node):
         flat = new_node(graph, aten.reshape.default, (grad, [-1]))
         if numel != world * length:
             flat = new_node(graph, aten.constant_pad_nd.default, (flat, [0, world * length - numel]))
+        if predivisor != 1.0:
+            flat = new_node(graph, aten.div.Tensor, (flat, predivisor))
         start = new_node(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
         wait = new_node(graph, c10d.wait_tensor.default, (start,))
-        out = new_node(graph, aten.div.Tensor, (wait, world))
+        out = new_node(graph, aten.div.Tensor, (wait, world if predivisor == 1.0 else world / predivisor))
     ds_meta(start)["zero"] = {"kind": "reduce_scatter", "elements": world * length, "group": group, "world": world, "shard_numel": length, "members": 1}
     node.replace_all_uses_with(out)
     graph.erase_node(node)

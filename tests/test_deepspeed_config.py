@@ -123,7 +123,6 @@ def test_every_deepspeed_field_is_known():
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights"),
         ({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}}, "zero_optimization.pipeline_loading_checkpoint"),
-        ({"checkpoint": {"tag_validation": "Fail"}}, "checkpoint.tag_validation"),
         ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
         ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
         ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),

@@ -84,4 +84,6 @@ def test_communication_stats_and_allgather_partitions() -> None:
         graph = z3["after_step"]["in_graph"]
         assert graph["reduce_scatter"]["bytes"] == padded_bytes
         assert graph["all_gather"]["bytes"] == padded_bytes
-        assert "zero" not in z3["after_step"]  # nothing is kept whole, so no refresh after the step
+        # nothing is kept whole, so no refresh after the step; only the global norm (compute_grad_norm, DeepSpeed's default)
+        norm = z3["after_step"]["zero"]["clip_norm.all_reduce"]
+        assert z3["after_step"]["zero"] == {"clip_norm.all_reduce": {"calls": 1, "bytes": 4, "seconds": norm["seconds"]}}

@@ -608,6 +608,7 @@ class PipelineEngine(EngineCore):
         if self.program is None:
             raise RuntimeError("save_checkpoint before the first train_batch: nothing is partitioned yet")
         tag = tag or f"global_step{self.global_steps}"
+        self.validate_checkpoint_tag(str(tag))
         # Every rank writes into a staging directory; committed (manifest, rename, 'latest' last) only when all succeeded.
         with CheckpointWriter(save_dir, str(tag)) as ckpt:
             if self.dp_id == 0:

@@ -188,6 +188,7 @@ class DSCompileEngine(nn.Module, EngineCore):
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True) -> Path:
         """Write ``save_dir/tag/`` in the gradient strategy's layout (``mp_rank_00_model_states.pt``, plus ZeRO's shard files)."""
         tag = tag or f"global_step{self.global_steps}"
+        self.validate_checkpoint_tag(str(tag))
         # Every rank writes into a staging directory; committed (manifest, rename, 'latest' last) only when all succeeded.
         with CheckpointWriter(save_dir, str(tag), save_latest=save_latest) as ckpt:
             self.gradients.save_checkpoint(self, ckpt, client_state)

@@ -22,7 +22,9 @@ the file and what differs. Assumes a file system every rank sees (as the ``lates
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dscompile.errors import DSCompileError
+from dscompile.runtime.devices import collective_device
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -364,3 +367,24 @@ class CheckpointReader:
             return torch.load(path, map_location="cpu", weights_only=weights_only)
         except Exception as exc:
             raise CheckpointCorruptError(f"checkpoint file {path} cannot be read: {type(exc).__name__}: {exc}") from exc
+
+
+def check_tag_agreement(tag: str, mode: str) -> None:
+    """DeepSpeed's ``checkpoint.tag_validation``: the ranks must save under one tag (a rank-specific tag leaves a
+    checkpoint that no other world size can find). ``Warn`` (the default) logs on the ranks whose tag differs,
+    ``Fail`` raises there and ``Ignore`` skips the check. Two small all-reduces (MAX and MIN of the tag's hash)."""
+    if mode.lower() == "ignore" or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int32, device=collective_device())
+    high, low = digest.clone(), digest.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    if torch.equal(high, digest) and torch.equal(low, digest):
+        return
+    message = (
+        f"checkpoint tag {tag!r} on rank {dist.get_rank()} differs from another rank's: a tag holding rank-specific text "
+        "leaves a checkpoint that cannot be found again (checkpoint.tag_validation)"
+    )
+    if mode.lower() == "fail":
+        raise DSCompileError(message + "; pass the same tag on every rank, or set checkpoint.tag_validation to Warn or Ignore")
+    logging.getLogger("dscompile.checkpoint").warning(message)

@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -106,6 +107,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.checkpoint_io import check_tag_agreement
 from dscompile.runtime.comm_stats import CommStats, collecting
 from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_extension import (  # noqa: F401  (extensions import them from here too)
@@ -201,6 +203,9 @@ class EngineCore:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
+        # DeepSpeed's ZeRO computes the global gradient norm every step, clipping or not (zero_optimization.compute_grad_norm,
+        # set by the ZeRO extension); otherwise it is computed only to clip
+        self.grad_norm_every_step = False
         # dtype of the gradient reductions done outside graphs (set by the mixed-precision
         # extension from ``communication_data_type``); None reduces in the gradients' own dtype.
         self.communication_data_type: torch.dtype | None = None
@@ -302,6 +307,8 @@ class EngineCore:
             else:
                 if self.config.gradient_clipping > 0:
                     self._global_grad_norm = self.gradients.clip(self, params, self.config.gradient_clipping)
+                elif self.grad_norm_every_step:
+                    self._global_grad_norm = self.gradients.clip(self, params, math.inf)  # an infinite bound scales nothing
                 self._hook("before_optimizer_step", params)
                 self.optimizer.step()
                 self.gradients.after_optimizer_step(self)
@@ -426,6 +433,10 @@ class EngineCore:
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def validate_checkpoint_tag(self, tag: str) -> None:
+        """``checkpoint.tag_validation`` (Warn, the default; Fail; Ignore): every rank must save under ``tag``."""
+        check_tag_agreement(tag, str((self.config.sections.get("checkpoint") or {}).get("tag_validation", "Warn")))
 
     def get_global_grad_norm(self) -> float | None:
         return self._global_grad_norm

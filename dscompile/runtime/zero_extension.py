@@ -133,6 +133,7 @@ class ZeroGradients(GradientStrategy):
                 self._refuse_unused()
             return  # ZeRO-2/3 reduce-scattered in the backward graphs; ZeRO-1's reduce below checks its agreed counts
         zero.comm_dtype = engine.communication_data_type
+        zero.predivisor = engine.config.gradient_predivisor(zero.world)
         itemsize = (engine.communication_data_type or zero.shards[0].dtype).itemsize
         nbytes = sum(layout.shard_numel * zero.world for layout in zero.layouts) * itemsize
         with engine.comm_stats.timed("zero", "reduce_scatter", nbytes if zero.world > 1 else 0):
@@ -197,6 +198,12 @@ class ZeroExtension(EngineExtension):
         self.partition: ZeroPartition | None = None
 
     def configure(self, engine: EngineCore) -> None:
+        if not self.zc.compute_grad_norm and engine.config.gradient_clipping > 0:
+            raise DSCompileConfigError(
+                "zero_optimization.compute_grad_norm", "false needs gradient_clipping 0: clipping computes the norm (as DeepSpeed refuses it)",
+                "drop compute_grad_norm, or set gradient_clipping to 0",
+            )
+        engine.grad_norm_every_step = bool(self.zc.compute_grad_norm)  # get_global_grad_norm() every step, as DeepSpeed's ZeRO
         if engine.optimizer is not None:
             check_zero_optimizer(engine.optimizer, bool(engine.config.zero_allow_untested_optimizer))
         params_or_error(engine.module, needs_training=True)

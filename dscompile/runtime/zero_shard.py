@@ -280,6 +280,7 @@ class ZeroPartition:
         self.bucket_bytes = max(1, min(int(bucket_bytes), OUT_OF_GRAPH_BUCKET_CAP))
         # dtype of ZeRO-1's gradient reduce-scatter (``communication_data_type``); None: the gradients' own.
         self.comm_dtype: torch.dtype | None = None
+        self.predivisor = 1.0  # DeepSpeed's prescale_gradients / gradient_predivide_factor (DSConfig.gradient_predivisor)
         # out-of-graph collectives that read or wrote the parameter or gradient itself, with no flat copy (tests, benchmarks)
         self.copy_free_collectives = 0
         # offload_param (``runtime/offload/params.py``): makes offloaded shards' values resident for code that reads
@@ -380,7 +381,7 @@ class ZeroPartition:
         have = [i for i, count in enumerate(counts) if count > 0]
         in_flight = _InFlight()
         for bucket in self._buckets(have):
-            if self.world > 1 and len(bucket) == 1 and self.comm_dtype is None:
+            if self.world > 1 and len(bucket) == 1 and self.comm_dtype is None and self.predivisor == 1.0:
                 i = bucket[0]
                 grad = self.full_params[i].grad
                 if grad is not None and self._unpadded(i, grad, self.shards[i].dtype):
@@ -400,6 +401,8 @@ class ZeroPartition:
                 flat = flat.to(self.comm_dtype)
             if self.world > 1:
                 flat = flat.contiguous()
+                if self.predivisor != 1.0:
+                    flat = flat.div(self.predivisor)  # a copy: rows may view the parameters' gradients
                 work, nbytes, out = self._reduce_scatter_async(flat)
                 in_flight.add(work, flat.nbytes + nbytes, lambda bucket=bucket, out=out, dt=grad_dtype: self._split_reduced(bucket, out(), dt), keep=(flat,))
             else:
@@ -426,7 +429,7 @@ class ZeroPartition:
     def _split_reduced(self, bucket: list[int], out: torch.Tensor, grad_dtype: torch.dtype | None) -> None:
         """A reduced bucket's pieces (averaged over the ranks when it was communicated) into the shards' grads."""
         if grad_dtype is not None:
-            out = out.to(grad_dtype).div_(self.world)
+            out = out.to(grad_dtype).div_(self.world if self.predivisor == 1.0 else self.world / self.predivisor)
         offset = 0
         for i in bucket:
             length = self.layouts[i].shard_numel
