@@ -157,6 +157,35 @@ def assert_same_run(got: dict[str, Any], expected: dict[str, Any], eval_atol: fl
     torch.testing.assert_close(torch.tensor(got["eval_clean"]), torch.tensor(expected["eval_clean"]), rtol=0, atol=eval_atol)
 
 
+def as_floats(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """dscompile's cleaned state_dict as DeepSpeed keeps it: packed weights unpacked to their float values,
+    a layer wrapped to quantize its input (``.layer.``) under its own name."""
+    from dscompile.kernels.quantize import PackedWeight, dequantize
+
+    out = {}
+    for key, value in state.items():
+        if key.endswith(".qweight"):
+            prefix = key.removesuffix(".qweight")
+            extra = state[f"{prefix}._extra_state"]
+            packed = PackedWeight(value, state[f"{prefix}.scales"], state.get(f"{prefix}.zeros"), extra["bits"], extra["group_size"], tuple(extra["shape"]))
+            out[f"{prefix}.weight"] = dequantize(packed)
+        elif not key.endswith(("._extra_state", ".scales", ".zeros")):
+            out[re.sub(r"\.layer\.(weight|bias)$", r".\1", key)] = value
+    return out
+
+
+def assert_same_export(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], flips: bool) -> None:
+    """The same keys and shapes, values within 1e-3. With ``flips`` (1-bit weights, whose value is the sign):
+    the 1e-5 drift of the trained weights flips the sign of a few weights at zero, under 1e-3 of each matrix."""
+    got = as_floats(state)
+    expected = {k: v for k, v in expected.items() if "mask" not in k and "scores" not in k}
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key].shape == value.shape, (key, got[key].shape, value.shape)
+        off = (got[key].double() - value.double()).abs() > 1e-3
+        assert int(off.sum()) <= (value.numel() // 1000 if flips else 0), f"{key}: {int(off.sum())} of {value.numel()} values differ"
+
+
 BERT_CASES = {
     # bash_script/pruning_head.sh: topk head pruning of the attention output, Q/K/V shrink with it
     "head_pruning": (bert_config("head_pruning"), "one_stage"),
@@ -182,12 +211,10 @@ def test_bert_example_matches_deepspeed_0195(case: str, tmp_path: Path) -> None:
     assert_same_run(got, expected, eval_atol=1e-3)
     assert got["heads"] == expected["heads"]
     quantized = config["compression_training"]["weight_quantization"]["shared_parameters"]["enabled"]
+    assert_same_export(state, expected_state, flips=quantized)
     if not quantized:  # pruned layers are float layers in both: the same parameters
         assert got["shapes"] == expected["shapes"] and got["params"] == expected["params"]
-        for key, value in expected_state.items():
-            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-3, msg=lambda m, k=key: f"{k}: {m}")
-    else:  # DeepSpeed keeps the quantized values as floats; dscompile stores codes: the unquantized parameters agree
-        assert {k: v for k, v in got["shapes"].items() if k in expected["shapes"]} == {k: v for k, v in expected["shapes"].items() if k in got["shapes"]}
+    else:  # dscompile stores the quantized weights as codes: really smaller
         assert got["params"] < expected["params"]
 
 
