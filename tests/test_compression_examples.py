@@ -220,10 +220,18 @@ def test_bert_example_matches_deepspeed_0195(case: str, tmp_path: Path) -> None:
 
 def test_gpt2_example_matches_deepspeed_0195(tmp_path: Path) -> None:
     """ZeroQuant on GPT-2 (Conv1D converted to Linear, 4/8-bit weights, 8-bit activations, gradient
-    accumulation over 2 micro-batches): per-micro-batch losses within 2e-3, the evaluation losses before
-    and after the clean."""
-    got, _ = run_example(tmp_path, "dscompile", "compress_gpt2.py", gpt2_config())
-    expected, _ = run_example(tmp_path, "deepspeed", "compress_gpt2.py", gpt2_config())
+    accumulation over 2 micro-batches), with the example's ``--not_tie_wre``: per-micro-batch losses within
+    2e-3, the evaluation losses before and after the clean, the cleaned weights.
+
+    With tied embeddings DeepSpeed 0.19.5 differs: its ``init_compression`` rebuilds the LM head as a new
+    layer whose weight is a second Parameter over the embedding's storage, so the optimizer updates the
+    shared matrix twice per step (once with each gradient); dscompile keeps the one tied Parameter (one
+    update with the summed gradient). See docs/compression.md."""
+    args = ("--not_tie_wre",)
+    got, state = run_example(tmp_path, "dscompile", "compress_gpt2.py", gpt2_config(), *args)
+    expected, expected_state = run_example(tmp_path, "deepspeed", "compress_gpt2.py", gpt2_config(), *args)
     assert len(got["losses"]) == 8
-    assert_same_run(got, expected, eval_atol=2e-3)
+    assert_same_run(got, expected, eval_atol=1e-3)
     torch.testing.assert_close(got["initial"], expected["initial"], rtol=1e-5, atol=0)
+    assert_same_export(state, expected_state, flips=True)
+    assert got["params"] < expected["params"]  # the quantized weights are stored as codes

@@ -35,6 +35,7 @@ parser.add_argument("--weight_decay", type=float, default=0.0)
 parser.add_argument("--per_device_train_batch_size", type=int, default=4)
 parser.add_argument("--micro_steps", type=int, default=8)
 parser.add_argument("--num_warmup_steps", type=int, default=1)
+parser.add_argument("--not_tie_wre", action="store_true", help="untie the word embeddings and the LM head (the example's flag)")
 parser.add_argument("--out", type=str, default=None)
 parser.add_argument("--save", type=str, default=None)
 parser = deepspeed.add_config_arguments(parser)
@@ -54,6 +55,8 @@ def lm_blocks(samples, seed):
 
 config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                     attn_pdrop=0.0, attn_implementation="eager")  # fmt: skip
+if args.not_tie_wre:
+    config.tie_word_embeddings = False
 model = GPT2LMHeadModel(config)
 train_dataset, eval_dataset = lm_blocks(64, seed=1), lm_blocks(16, seed=2)
 train_sampler = RandomSampler(train_dataset) if args.local_rank == -1 else DistributedSampler(train_dataset)
