@@ -65,7 +65,7 @@ from dscompile.config import DSConfig, parse_dataclass, read_json_config, regist
 from dscompile.errors import DSCompileConfigError, DSCompileError, suggest
 from dscompile.pipeline import PassInvocation, invocation, register_config_rule
 from dscompile.runtime.compression.direct_calls import guard_layer, route_calls, unguard_layers, unroute_calls
-from dscompile.runtime.compression.scheduler import CompressionScheduler, attach_scheduler
+from dscompile.runtime.compression.scheduler import CompressionScheduler, attach_scheduler, scheduler_of
 from dscompile.runtime.compression.state import PREPARED, ActQuantSpec, CompressionState, MaskSpec, WeightQuantSpec, draw_scores, state_of
 from dscompile.runtime.engine_core import register_engine_extension
 
@@ -715,6 +715,16 @@ def prepare_model(
     if states and call_options is not None:
         route_calls(model, dict(call_options))
     return attach_scheduler(model)
+
+
+def keep_teacher_dense(teacher: nn.Module) -> None:
+    """The teacher ``init_compression`` was given stays the dense model it is, as in DeepSpeed (whose
+    engine only schedules layers ``init_compression`` swapped): it gets an empty scheduler, so an
+    engine built over it with the same config (the BERT example's) does not prepare it, and its
+    compiled forward is not refused as never prepared."""
+    if scheduler_of(teacher) is None:
+        mark_prepared(teacher)
+        attach_scheduler(teacher)
 
 
 def detach_compression(model: nn.Module) -> None:

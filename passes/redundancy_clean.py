@@ -11,10 +11,11 @@ compactly:
 - row / head / channel pruning with ``related_modules``: the pruned rows, heads or channels are
   removed, so the matrices are physically smaller, and the shapes are propagated: the related
   layers lose the matching input columns (attention Q/K/V lose the pruned heads' rows; a fused
-  QKV projection is recognised by its 3x width; BatchNorm2d loses the pruned channels) and the
+  QKV projection is recognised by its 3x width; BatchNorm2d loses the pruned channels); the
   attention module's head count (``num_heads``, ``n_heads``, ``num_attention_heads``, ``n_head``,
-  ``all_head_size``, ``split_size``) follows; without related modules the pruned outputs are zeroed,
-  as in DeepSpeed;
+  ``all_head_size``, ``split_size``) is left as it was, as DeepSpeed leaves it (its BERT example
+  sets it afterwards), and named in a warning; without related modules the pruned outputs are
+  zeroed, as in DeepSpeed;
 - activation quantization: the layer keeps quantizing its input (dynamic, or with the calibrated
   range).
 
@@ -168,19 +169,22 @@ def _head_rows(layer: CleanLayer, heads: torch.Tensor, width: int) -> torch.Tens
     return per_head.repeat(rows // width)
 
 
-def _update_head_counts(model: nn.Module, related: str, old_heads: int, new_heads: int, head_dim: int) -> list[str]:
+def _stale_head_counts(model: nn.Module, related: str, old_heads: int, new_heads: int, head_dim: int) -> list[str]:
+    """The attention module's head-count attributes, which still say ``old_heads`` after the clean.
+
+    DeepSpeed's ``redundancy_clean`` leaves them as they are and its BERT example sets them itself
+    afterwards (``num_attention_heads = ceil(num_attention_heads * dense_ratio)``, ``all_head_size``):
+    changing them here would make such a script shrink them twice. They are reported instead."""
     parent_name = related.rpartition(".")[0]
     parent = model.get_submodule(parent_name) if parent_name else model
-    changed = []
+    stale = []
     for attribute in HEAD_COUNT_ATTRIBUTES:
         if getattr(parent, attribute, None) == old_heads:
-            setattr(parent, attribute, new_heads)
-            changed.append(f"{parent_name}.{attribute}")
+            stale.append(f"{parent_name}.{attribute} = {old_heads} (kept heads: {new_heads})")
     for attribute in HEAD_WIDTH_ATTRIBUTES:
         if getattr(parent, attribute, None) == old_heads * head_dim:
-            setattr(parent, attribute, new_heads * head_dim)
-            changed.append(f"{parent_name}.{attribute}")
-    return changed
+            stale.append(f"{parent_name}.{attribute} = {old_heads * head_dim} (kept: {new_heads * head_dim})")
+    return stale
 
 
 def _replacement(layer: CleanLayer) -> nn.Module:
@@ -283,7 +287,7 @@ def clean_model(model: nn.Module) -> dict[str, Any]:
                 layer.keep_rows(_head_rows(layer, mask, width))
                 if name.rpartition(".")[0] not in updated:
                     updated.add(name.rpartition(".")[0])
-                    report["head_counts"] += _update_head_counts(model, name, mask.numel(), int(mask.sum()), width // mask.numel())
+                    report["head_counts"] += _stale_head_counts(model, name, mask.numel(), int(mask.sum()), width // mask.numel())
         for state in states:
             layer = layers.pop(state.layer_name)
             new = _replacement(layer)
@@ -305,6 +309,12 @@ def clean_model(model: nn.Module) -> dict[str, Any]:
             new = _replacement(layer)
             _set(model, name, new)
             report["layers"][name] = _describe(layer, new)
+    if report["head_counts"]:
+        log.warning(
+            "redundancy_clean removed pruned attention heads; as in DeepSpeed, the attention modules' head counts are left as they "
+            "were: %s. Set them to the kept heads where the model's forward reads them (DeepSpeed's BERT example does)",
+            "; ".join(report["head_counts"]),
+        )
     detach_compression(model)
     if SCHEDULER_ATTRIBUTE in vars(model):
         delattr(model, SCHEDULER_ATTRIBUTE)

@@ -293,6 +293,26 @@ def test_compressed_layers_refuse_calls_that_would_be_dense() -> None:
         torch.testing.assert_close(torch.compile(model, backend="dscompile", options=MLP_CONFIG)(x), compressed, rtol=1e-5, atol=1e-5)
 
 
+def test_the_teacher_stays_dense_under_its_own_engine() -> None:
+    """DeepSpeed's BERT example wraps its teacher with ``deepspeed.initialize`` and the same config:
+    DeepSpeed's engine only schedules layers ``init_compression`` swapped, so the teacher it was
+    given stays the dense model (its logits are the distillation targets)."""
+    import dscompile
+
+    torch.manual_seed(0)
+    student, teacher = MLP(), MLP()
+    dense = copy.deepcopy(teacher)
+    x = torch.randn(4, 16)
+    config = {"train_micro_batch_size_per_gpu": 4, **MLP_CONFIG}
+    init_compression(student, config, teacher_model=teacher)
+    engine, *_ = dscompile.initialize(model=teacher, config=config)
+    engine.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), dense(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(teacher(x), dense(x), rtol=0, atol=0)
+    assert not any(hasattr(m, "ds_compression") for m in teacher.modules())
+
+
 def test_init_compression_draws_the_random_numbers_deepspeeds_draws() -> None:
     """DeepSpeed builds a fresh layer for every compressible module (its initializers draw) before it
     draws the learned scores: the same scores come out, and the stream continues where DeepSpeed's

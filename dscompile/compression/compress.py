@@ -7,7 +7,14 @@ from typing import Any
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.passes.compression import SECTION, direct_call_options, parse_compression, prepare_model, read_deepspeed_config
+from dscompile.passes.compression import (
+    SECTION,
+    direct_call_options,
+    keep_teacher_dense,
+    parse_compression,
+    prepare_model,
+    read_deepspeed_config,
+)
 from dscompile.passes.redundancy_clean import clean_model
 from dscompile.runtime.compression.scheduler import scheduler_of
 
@@ -31,11 +38,14 @@ def init_compression(model: nn.Module, deepspeed_config: Any, teacher_model: nn.
     the model's own), then every layer an enabled technique matches gets its compression state,
     and the model's calls go through dscompile with the config's ``compression_training`` section;
     the schedule is at step 0 (``get_compression_scheduler(model)`` advances it; an engine does by itself).
+    The teacher stays dense, also under an engine built over it with the same config (as in DeepSpeed).
     """
     _no_mpu(mpu)
     raw = read_deepspeed_config(deepspeed_config)
     teacher = None if teacher_model is None else _unwrap(teacher_model)
     prepare_model(_unwrap(model), parse_compression(raw.get(SECTION, {})), teacher, call_options=direct_call_options(raw))
+    if teacher is not None:
+        keep_teacher_dense(teacher)
     return model
 
 

@@ -52,8 +52,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        width = self.n_heads * self.head_dim  # not c: head pruning shrinks it
-        q, k, v = (z.view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for z in self.qkv(x).split(width, dim=-1))
+        qkv = self.qkv(x)
+        width = qkv.shape[-1] // 3  # not c: head pruning shrinks it (and leaves n_heads, as DeepSpeed does)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.split(width, dim=-1))
         # key_mask (B, 1, 1, T) bool: True = this key may be attended to.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, width))

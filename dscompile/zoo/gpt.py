@@ -62,10 +62,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(self.n_heads * self.head_dim, dim=-1)  # not c: head pruning shrinks it
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        qkv = self.qkv(x)
+        width = qkv.shape[-1] // 3  # not c: head pruning shrinks it (and leaves n_heads, as DeepSpeed does)
+        q, k, v = qkv.split(width, dim=-1)
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -75,7 +77,7 @@ class CausalSelfAttention(nn.Module):
             weights = F.softmax(scores, dim=-1)
             weights = F.dropout(weights, p=p, training=self.training)
             y = weights @ v
-        y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        y = y.transpose(1, 2).reshape(b, t, width)
         return self.resid_drop(self.proj(y))
 
 
