@@ -460,8 +460,14 @@ def _rng_state_bytes(forward: list[torch.fx.Node]) -> int:
 
 
 def block_of(node: torch.fx.Node) -> str | None:
-    """The repeated block (``<...>.<index>`` module path) a node was traced in, if any."""
-    stack = node.meta.get("nn_module_stack")
+    """The repeated block (``<...>.<index>`` module path) a node was traced in, if any.
+
+    A node traced in backward carries the module stack of the forward op it differentiates as
+    ``fwd_nn_module_stack``: a tangent-free one (the ``pow(x, 2)`` of an RMSNorm backward, the
+    ``sigmoid`` of a SiLU backward) is a forward value to the cut, and belongs to that block. Read
+    without it, such a node sat outside every block, so ``full`` had to compute it in forward and
+    save it, and the block-internal values it reads became segment boundaries (saved too)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
     for path, _type in stack.values():
@@ -469,6 +475,12 @@ def block_of(node: torch.fx.Node) -> str | None:
         if match:
             return match.group(1)
     return None
+
+
+def _made_by_a_pass(node: torch.fx.Node) -> bool:
+    """A node no tracer made (an Inductor joint-graph pattern's replacement): it has no module stack
+    and no partitioner tag, where every traced node has one or the other."""
+    return not any(key in node.meta for key in ("nn_module_stack", "fwd_nn_module_stack", "partitioner_tag"))
 
 
 def segments(info: JointInfo, number_checkpoints: int = 0) -> dict[torch.fx.Node, int]:
@@ -483,6 +495,10 @@ def segments(info: JointInfo, number_checkpoints: int = 0) -> dict[torch.fx.Node
     for node in info.forward:
         name = block_of(node)
         if name is None:
+            if _made_by_a_pass(node):  # no trace of its own: it belongs where its inputs are
+                inherited = [block_index[a] for a in node.all_input_nodes if a in block_index]
+                if inherited:
+                    block_index[node] = max(inherited)
             continue
         if name not in blocks:
             blocks.append(name)
@@ -740,12 +756,36 @@ def no_checkpointing_saved_bytes(gm: torch.fx.GraphModule, example_inputs: Any, 
     scale torch's ``activation_memory_budget`` uses."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    joint = copy.deepcopy(gm)
+    joint = copy_graph_module(gm)
     with torch._functorch.config.patch(activation_memory_budget=1.0), _fake_mode_of(example_inputs):
         fw, bw = min_cut_rematerialization_partition(joint, example_inputs, num_fwd_outputs=num_fwd_outputs)
     for module in (fw, bw):
         _fill_missing_values(module)
     return measure_partition(fw, bw, num_fwd_outputs)["saved_bytes"]
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A deep copy of ``gm``'s graph and node metadata that shares its real tensors (constants,
+    buffers, parameters, real values in ``meta``) instead of copying them.
+
+    The joint graph reaches the partitioner while its fake mode is active; deep-copying a real tensor
+    there makes a meta tensor and then fails to attach the real CPU storage to it. Hugging Face
+    models that build a ``DynamicCache`` (``use_cache=True``, the default) leave such constants
+    (``_tensor_constant0`` = ``torch.tensor([])``) on the joint module. Copies made here are only
+    re-tagged and partitioned, never written through their tensors, so sharing them is safe."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    shared: dict[int, Any] = {}
+    for module in gm.modules():
+        for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            if isinstance(value, torch.Tensor):
+                shared[id(value)] = value
+    for node in gm.graph.nodes:
+        for value in node.meta.values():
+            for t in tensor_values(value):
+                if not isinstance(t, FakeTensor):
+                    shared[id(t)] = t
+    return copy.deepcopy(gm, shared)
 
 
 def _fake_mode_of(values: Any) -> Any:
@@ -946,7 +986,7 @@ def _make_partition_fn(ctx: PassContext, plan: Plan, options: CheckpointOptions,
             plan = _plan_and_tag(joint, ctx.graph_name, joint_inputs, num_fwd_outputs, options)
             plan.notes.append("planned again: a later joint pass changed the graph")
             ctx.analysis["checkpointing_plan"] = plan.summary()
-        pristine = copy.deepcopy(joint) if plan.target is not None else None  # untouched, should the budget need a second cut
+        pristine = copy_graph_module(joint) if plan.target is not None else None  # untouched, should the budget need a second cut
         fw, bw, measured = _partition_and_measure(joint, joint_inputs, num_fwd_outputs, kwargs)
         if pristine is not None and measured["saved_bytes"] > plan.target:
             plan, joint, fw, bw, measured = _keep_budget(pristine, joint_inputs, num_fwd_outputs, kwargs, plan, (joint, fw, bw, measured))
@@ -1002,7 +1042,7 @@ def _keep_budget(pristine: torch.fx.GraphModule, joint_inputs: Any, num_fwd_outp
         if over <= 0:
             break
         target -= over
-        joint = copy.deepcopy(pristine)
+        joint = copy_graph_module(pristine)
         _restore_pins(joint)
         info = analyse_joint(joint, num_fwd_outputs)
         solver = CutSolver(info)
