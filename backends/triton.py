@@ -110,7 +110,7 @@ def lower_regions(gm: torch.fx.GraphModule, ctx: Any = None) -> dict[str, Any]:
 
     if not any(n.op == "call_module" and str(n.target).startswith(REGION_PREFIX) for n in gm.graph.nodes):
         if ctx is not None:  # a real compile without the fuse pass (tests call this on bare graphs)
-            from dscompile.kernels.matmul_epilogue import fold_matmul_epilogues
+            from dscompile.passes.matmul_epilogue_fold import fold_matmul_epilogues
 
             fold_matmul_epilogues(gm)
         fuse_regions(gm)
