@@ -237,7 +237,7 @@ def fill_rng_wrapper_values(gm: torch.fx.GraphModule) -> int:
     by ``run_and_save_rng_state(op, *args)`` (returns ``(rng_state, out)``) and the backward one by
     ``run_with_rng_state(rng_state, op, *args)``, with no fake value on either. The frontend calls the
     partitioner, so it fills them here, before any forward/backward pass sees the graphs: the wrapped
-    op's value, and the state's from the ``getitem`` the partitioner did describe.
+    op's value, and the generator state's (on the state's ``getitem`` too).
     """
     save_state, with_state = _rng_wrappers()
     fake_mode = fake_mode_of(gm)
@@ -250,9 +250,12 @@ def fill_rng_wrapper_values(gm: torch.fx.GraphModule) -> int:
         if node.target is with_state:
             node.meta["val"] = out
         else:
-            state = next((node_value(u) for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
-            if state is None:
-                state = _into_mode(torch.get_rng_state(), fake_mode) if fake_mode is not None else torch.get_rng_state()
+            # The generator's state has a fixed size; the partitioner's getitem describes it with a symbolic one
+            # (``from_tensor`` under a shape environment), which a fake re-run (debug mode) does not reproduce.
+            state = fake_mode.from_tensor(torch.get_rng_state(), static_shapes=True) if fake_mode is not None else torch.get_rng_state()
+            for user in node.users:
+                if user.target is operator.getitem and user.args[1] == 0:
+                    user.meta["val"] = state
             node.meta["val"] = (state, out)
         filled += 1
     return filled

@@ -129,6 +129,24 @@ def test_gradient_checkpointing_with_dropout_trains_in_bf16() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=0.0)
 
 
+def test_checkpointed_dropout_values_survive_debug_replay() -> None:
+    """Debug mode re-runs every graph on fake tensors after each pass: the RNG wrappers' values must match it."""
+    reference = _checkpointed(_gpt2)
+    model = copy.deepcopy(reference)
+    ids = _batch(0)
+    torch.manual_seed(5)
+    expected = reference(input_ids=ids, labels=ids).loss
+    expected.backward()
+    compiled = torch.compile(model, backend="dscompile", options={"debug": True})
+    with inductor_config.patch(fallback_random=True):
+        torch.manual_seed(5)
+        got = compiled(input_ids=ids, labels=ids).loss
+        got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for (pname, want), have in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(have.grad, want.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=pname: f"{n}: {m}")
+
+
 def test_checkpointed_dropout_with_inductors_rng_trains() -> None:
     """Inductor's own RNG (the default): masks differ from eager's; the first loss is a dropout loss (not the
     eval-mode one), within a few percent of eager's dropout loss."""
