@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dscompile.config import DSConfig, load_config
-from dscompile.graph import runtime_inputs, unlift_runtime_inputs
+from dscompile.graph import fill_capture_values, fill_rng_wrapper_values, runtime_inputs, unlift_runtime_inputs
 from dscompile.pipeline import PassContext, PassInvocation, PassManager, PassRecord, pipeline_from_config, pipeline_lowering
 from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
@@ -111,6 +111,7 @@ class GraphCompiler:
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         self.param_names = _parameter_names(gm, example_inputs)
         _annotate_parameters(gm, self.param_names)
+        fill_capture_values(gm)  # Dynamo's value-less in-place calls (requires_grad_ under no_grad)
         _progress(self.graph_name, "passes on the Dynamo graph")
         gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
         inputs, resolvers = _with_runtime_inputs(gm, example_inputs, self.param_names)
@@ -147,7 +148,11 @@ class GraphCompiler:
         partition = min_cut_rematerialization_partition if self.config.partitioner == "min_cut" else default_partition
         # A joint pass may choose its own partitioner (same signature as AOTAutograd's).
         partition = self.analysis.get("partition_fn", partition)
-        return partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        forward, backward = partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        for graph in (forward, backward):  # the partitioner's RNG wrappers come without fake values
+            if fill_rng_wrapper_values(graph):
+                graph.recompile()
+        return forward, backward
 
     def _compile_graph(self, kind: str, inference: bool, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         ctx = self.context(kind, example_inputs, is_inference=inference)

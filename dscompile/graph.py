@@ -200,6 +200,79 @@ def set_fake_value(node: torch.fx.Node, fake_mode: Any | None = None) -> Any:
     return value
 
 
+def fill_capture_values(gm: torch.fx.GraphModule) -> int:
+    """Give Dynamo's value-less in-place method calls the value they return (their ``self``); returns how many.
+
+    Dynamo keeps some calls for their side effect without an ``example_value``: Hugging Face's
+    ``enable_input_require_grads()`` hooks the embeddings with ``output.requires_grad_(True)``, which a
+    ``torch.no_grad()`` forward records as a ``requires_grad_`` call_method with no value and no users.
+    An in-place method returns its ``self``, so the value is ``self``'s; the frontend fills it before the
+    first pass, so the passes and the lint see a described graph.
+    """
+    filled = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_method" or node_value(node) is not None or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        name = str(node.target)
+        if name.endswith("_") and not name.endswith("__"):
+            value = node_value(node.args[0])
+            if value is not None:
+                node.meta["example_value"] = value
+                filled += 1
+    return filled
+
+
+def _rng_wrappers() -> tuple[Any, Any]:
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    return run_and_save_rng_state, run_with_rng_state
+
+
+def fill_rng_wrapper_values(gm: torch.fx.GraphModule) -> int:
+    """Give the partitioner's RNG wrappers the ``meta['val']`` it leaves out; returns how many were filled.
+
+    When a random op is recomputed in backward (a checkpointed dropout, Hugging Face's
+    ``gradient_checkpointing_enable()``) and its mask is drawn from torch's generator (the ``eager``
+    lowering, or Inductor under ``fallback_random``), AOTAutograd's partitioner replaces the forward op
+    by ``run_and_save_rng_state(op, *args)`` (returns ``(rng_state, out)``) and the backward one by
+    ``run_with_rng_state(rng_state, op, *args)``, with no fake value on either. The frontend calls the
+    partitioner, so it fills them here, before any forward/backward pass sees the graphs: the wrapped
+    op's value, and the generator state's (on the state's ``getitem`` too).
+    """
+    save_state, with_state = _rng_wrappers()
+    fake_mode = fake_mode_of(gm)
+    filled = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "val" in node.meta or node.target not in (save_state, with_state):
+            continue
+        op, args = (node.args[0], node.args[1:]) if node.target is save_state else (node.args[1], node.args[2:])
+        out = _fake_call(op, args, node.kwargs, fake_mode)
+        if node.target is with_state:
+            node.meta["val"] = out
+        else:
+            # The generator's state has a fixed size; the partitioner's getitem describes it with a symbolic one
+            # (``from_tensor`` under a shape environment), which a fake re-run (debug mode) does not reproduce.
+            state = fake_mode.from_tensor(torch.get_rng_state(), static_shapes=True) if fake_mode is not None else torch.get_rng_state()
+            for user in node.users:
+                if user.target is operator.getitem and user.args[1] == 0:
+                    user.meta["val"] = state
+            node.meta["val"] = (state, out)
+        filled += 1
+    return filled
+
+
+def _fake_call(op: Any, args: Sequence[Any], kwargs: dict[str, Any], fake_mode: Any) -> Any:
+    def value_of(arg: Any) -> Any:
+        return node_value(arg) if isinstance(arg, torch.fx.Node) else arg
+
+    args = torch.fx.node.map_aggregate(args, value_of)
+    kwargs = torch.fx.node.map_aggregate(kwargs, value_of)
+    if fake_mode is None:
+        return op(*args, **kwargs)
+    with fake_mode:
+        return op(*args, **kwargs)
+
+
 def lift_tensor(gm: torch.fx.GraphModule, name: str, tensor: torch.Tensor, resolve: Callable[[Sequence[Any]], torch.Tensor]) -> torch.fx.Node:
     """A placeholder after the Dynamo inputs reading ``tensor``, which becomes an input of the compiled graph.
 

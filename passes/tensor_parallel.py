@@ -1209,14 +1209,16 @@ def _share_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _training_without_kv_cache(model: nn.Module) -> Iterator[None]:
-    """Hugging Face models build a KV cache (a ``DynamicCache``) in training mode too, and return it.
-    ``torch.export`` cannot return that object, and training never reads it (its sliced heads would also pin
-    every block's keys and values as outputs): a model in training mode is captured with ``use_cache`` off, so
-    its outputs carry ``past_key_values=None``. An explicit ``use_cache=True`` argument still wins."""
-    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True} if model.training else {}
+def _without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Hugging Face models build a KV cache (a ``DynamicCache``) and return it, in training mode too.
+    ``torch.export`` cannot return that object, and the split graph could not return it whole: each rank holds
+    only its heads' keys and values, and returning them would pin every block's keys and values as outputs.
+    Training and evaluation (a loss, logits) never read it, so the model is captured with ``use_cache`` off
+    (in both modes; an explicit ``use_cache=True`` argument is turned off by ``without_cache_request``) and its
+    outputs carry ``past_key_values=None``."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
     if configs:
-        log.info("capturing %s with Hugging Face's use_cache off: training does not read the KV cache", type(model).__name__)
+        log.info("capturing %s with Hugging Face's use_cache off: the split graph returns no KV cache", type(model).__name__)
     for config in configs.values():
         config.use_cache = False
     try:
@@ -1226,10 +1228,25 @@ def _training_without_kv_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = True
 
 
+def without_cache_request(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with an explicit ``use_cache=True`` turned off, said once in the log: under tensor parallelism
+    the model's outputs carry ``past_key_values=None`` (see ``_without_kv_cache``)."""
+    if kwargs.get("use_cache") is not True:
+        return kwargs
+    if not getattr(without_cache_request, "said", False):
+        log.warning(
+            "tensor_parallel: use_cache=True has no effect in the engine: each rank holds only its attention heads' keys and values, "
+            "so outputs carry past_key_values=None (losses and logits are unchanged); generate with dscompile.init_inference "
+            "(tensor_parallel.tp_size) for a KV cache"
+        )
+        without_cache_request.said = True  # type: ignore[attr-defined]
+    return {**kwargs, "use_cache": False}
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     """The model's ATen graph at these inputs' shapes (``torch.export``, non-strict)."""
-    with _training_without_kv_cache(model):
-        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    with _without_kv_cache(model):
+        exported = torch.export.export(model, tuple(args), without_cache_request(dict(kwargs)), strict=False)
     gm = exported.module()
     _share_parameters(gm, model)
     for node in list(gm.graph.nodes):  # export's dtype/device asserts: checks of the capture, not computation
@@ -1373,6 +1390,7 @@ class TensorParallelModule(nn.Module):
         return first.whole_parameters() if self._first_wrapped and hasattr(first, "whole_parameters") else contextlib.nullcontext()  # type: ignore[union-attr]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = without_cache_request(kwargs)
         broadcast_in_tp_group(list(args) + list(kwargs.values()), self.groups)
         signature = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in list(args) + list(kwargs.values())]
         key = (self.model.training, repr(signature))
