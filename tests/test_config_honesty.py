@@ -80,7 +80,7 @@ EFFECT: dict[str, str] = {
     "bf16.bf16_optimizer_states": "test_deepspeed_surface.py",
     "torch_autocast.enabled": "test_mixed_precision.py",
     "torch_autocast.dtype": "test_mixed_precision.py",
-    "data_types.param_dtype": "test_deepspeed_scripts.py",
+    "data_types.param_dtype": "test_deepspeed_scripts_lm.py",
     f"{_Z}.stage": "test_zero.py",
     f"{_Z}.reduce_bucket_size": "test_zero_profile.py",
     f"{_Z}.allgather_partitions": "test_engine_core_distributed.py",

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dscompile.runtime import devices
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME_FILES = sorted([ROOT / "dscompile" / "engine.py", *(ROOT / "dscompile" / "runtime").glob("*.py")])
+RUNTIME_FILES = sorted([*(ROOT / "dscompile" / "engines").glob("*.py"), *(ROOT / "dscompile" / "runtime").glob("*.py")])
 
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "linspace", "eye", "as_tensor", "empty_strided", "scalar_tensor"}
 

@@ -173,7 +173,7 @@ def test_dropout_with_backend_rng_statistics_and_mask_agreement(lower: str) -> N
 
 
 def _record_backward_graphs(monkeypatch: pytest.MonkeyPatch, lower: str) -> list[torch.fx.GraphModule]:
-    from dscompile import backends
+    from dscompile import backends, pipeline
 
     graphs: list[torch.fx.GraphModule] = []
     lowering = backends.get_lowering(lower)
@@ -183,7 +183,7 @@ def _record_backward_graphs(monkeypatch: pytest.MonkeyPatch, lower: str) -> list
             graphs.append(copy.deepcopy(gm))
         return lowering.compile(gm, example_inputs, ctx)
 
-    monkeypatch.setitem(backends._LOWERINGS, lower, dataclasses.replace(lowering, compile=compile_and_record))
+    monkeypatch.setitem(pipeline._LOWERINGS, lower, dataclasses.replace(lowering, compile=compile_and_record))
     return graphs
 
 

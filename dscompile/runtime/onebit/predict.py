@@ -40,6 +40,9 @@ def predict_step_bytes(numels: list[int], world: int, config: Any, itemsize: int
         phases = {"full_precision": _data_parallel_step(buckets, itemsize), "compressed": _compressed_step(buckets, world, block_size, config)}
     else:
         phases = _zero_steps(kind, numels, world, block_size, zero, itemsize)
+        if zero.compute_grad_norm or config.gradient_clipping > 0:
+            for stats in phases.values():  # the global norm, every step (get_global_grad_norm(), as DeepSpeed's ZeRO)
+                stats.record("zero", "clip_norm.all_reduce", 4)
     if kind == "zerooneadam":
         phases["local"] = EngineCommStats()
     return {
@@ -73,7 +76,8 @@ def _compressed_step(buckets: list[list[int]], world: int, block_size: int | Non
 
 def _zero_steps(kind: str, numels: list[int], world: int, block_size: int | None, zero: Any, itemsize: int) -> dict[str, EngineCommStats]:
     """ZeRO-1/2: the reduce-scatter (fp32, or 1-bit per bucket), the parameter all-gather after the step, and for
-    1-bit LAMB the all-gather of the shards' partial norms (2 per parameter in the warm-up, 3 after)."""
+    1-bit LAMB the all-gather of the shards' partial norms (2 per parameter in the warm-up, 3 after). The global
+    gradient norm's scalar all-reduce is added by the caller."""
     shards = [shard_numel(n, world) for n in numels]
     full_bytes = sum(s * world for s in shards) * itemsize
     gather_op = "all_gather" if zero.allgather_partitions else "broadcast"
