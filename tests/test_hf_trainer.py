@@ -107,7 +107,6 @@ class Runs:
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "DS_ACCELERATOR": "cpu",
-            "TORCH_EXTENSIONS_DIR": str(self.workdir / "torch_extensions"),  # DeepSpeed's ops built for this version
             "PYTHONFAULTHANDLER": "1",
         }
         proc = subprocess.run([*launcher, str(folder / SCRIPT), *cli], capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=folder)
