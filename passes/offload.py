@@ -410,7 +410,7 @@ class ParamOffload(EngineExtension):
         from dscompile.runtime.zero_shard import ZeroModule
 
         zero = engine.zero
-        target = getattr(engine, "compile_target", None)
+        target = engine.compile_target
         if zero is None or zero.stage != 3 or not isinstance(target, ZeroModule):
             raise DSCompileConfigError("zero_optimization.offload_param", "needs ZeRO stage 3 (partitioned parameters)", "set zero_optimization.stage to 3")
         op = self.zc.offload_param

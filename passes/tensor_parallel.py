@@ -1434,7 +1434,7 @@ def refuse_untested_compositions(engine: EngineCore) -> None:
     zero = sections.get("zero_optimization")
     clashes = {
         "zero_optimization.offload_optimizer": zero is not None and getattr(zero.offload_optimizer, "enabled", False),
-        "pipeline": sections.get("pipeline_parallel") is not None or not hasattr(engine, "compile_target"),
+        "pipeline": sections.get("pipeline_parallel") is not None or engine.runs_pipeline,
     }
     for key, clash in clashes.items():
         if clash:
@@ -1474,22 +1474,22 @@ class TensorParallelExtension(EngineExtension):
                     dist.broadcast(tensor, src=0)
         # the split graph compiles under the engine's config, less this section (the frontend refuses it on its own)
         options = dataclasses.replace(engine.config, sections=split_graph_sections(engine.config.sections))
-        options = options if getattr(engine, "compiles_model", False) else None
-        engine.compiles_model = False  # type: ignore[attr-defined]  # the module compiles its split graph itself
+        options = options if engine.compiles_model else None
+        engine.compiles_model = False  # the module compiles its split graph itself
         self.module = TensorParallelModule(engine.module, groups, self.tc, options, self._after_split)
-        engine.compile_target = self.module  # type: ignore[attr-defined]
-        engine.process_groups = groups  # type: ignore[attr-defined]
+        engine.compile_target = self.module
+        engine.process_groups = groups
         engine.gradients = TensorParallelGradients(engine.module, groups, self.slices, defer_optimizer=self._defer_optimizer)
         self.engine = engine
         self._pending: Any = None  # a checkpoint's optimizer states (and generators) loaded before the first batch split the model
         # extensions that partition parameters themselves (ZeRO) append here: run once the model is split, each
         # takes the module that runs the split graph and returns the one to run (ZeRO-2/3 wrap it over their shards)
-        engine.after_parameters_split = []  # type: ignore[attr-defined]
+        engine.after_parameters_split = []
 
     def _after_split(self, split: nn.Module) -> nn.Module:
         """Run the extensions waiting for the split parameters; each may wrap the module that runs (ZeRO-2/3)."""
         engine = self.engine
-        for callback in engine.after_parameters_split:  # type: ignore[attr-defined]
+        for callback in engine.after_parameters_split or ():
             split = callback(split)
         if not isinstance(engine.gradients, TensorParallelGradients):  # ZeRO-1 took over: gather its TP slices too
             engine.gradients = TensorParallelOver(engine.gradients, self.groups, self.slices)  # type: ignore[arg-type]

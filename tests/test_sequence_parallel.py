@@ -239,7 +239,8 @@ def test_a_layout_per_head_is_refused_under_sequence_parallelism() -> None:
 
     class Engine:  # what configure reads of an engine
         config = load_config({"sequence_parallel_size": 2, "sparse_attention": {**SPARSE, "different_layout_per_head": True}})
-        compile_target = None
+        runs_pipeline = False
+        process_groups = None
 
     with pytest.raises(DSCompileConfigError, match="different_layout_per_head"):
         SequenceParallelExtension(2).configure(Engine())  # type: ignore[arg-type]

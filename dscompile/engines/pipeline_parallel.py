@@ -193,6 +193,8 @@ class GraphStageRunner:
 class PipelineEngine(EngineCore):
     """Pipeline-parallel (optionally x data-parallel) training of a model on this rank's stages."""
 
+    runs_pipeline = True
+
     def __getattr__(self, name: str) -> Any:
         """What the engine lacks is the wrapped model's, as DeepSpeed's engine."""
         return wrapped_module_attribute(self, name)

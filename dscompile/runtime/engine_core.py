@@ -99,8 +99,8 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,9 @@ from dscompile.runtime.engine_extension import (  # noqa: F401  (extensions impo
 )
 from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, ThroughputTimer, log_every
 from dscompile.runtime.loss_scaler import MixedPrecision
+
+if TYPE_CHECKING:
+    from dscompile.runtime.process_groups import ProcessGroups
 
 log = logging.getLogger("dscompile.engines.training")
 
@@ -189,11 +192,21 @@ class EngineCore:
     """
 
     module: nn.Module
+    # True on the pipeline engine, whose stages the engine runs itself: what is not built for them refuses it
+    runs_pipeline: ClassVar[bool] = False
 
     def init_core(self, config: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
         self.config = config
         self.world_size, self.global_rank = world_info()
         self.zero: Any = None  # the ZeroPartition when ZeRO is on (set by its extension): read by checkpoints and tools
+        # What extensions share, declared here so that none attaches attributes of its own:
+        self.compiles_model = False  # the engine torch.compiles compile_target (TP/SP modules compile their own graph)
+        self.compile_target: nn.Module | None = None  # what the engine compiles and calls (extensions may wrap the model)
+        self.process_groups: ProcessGroups | None = None  # the TP x DP groups (tensor parallelism, or a script's mpu)
+        self.model_parallel_slices: dict[str, Any] | None = None  # a script's mpu: the parameters each rank holds a slice of
+        # set by TP/SP, which split the parameters at the first batch: callbacks that take the split module and return
+        # the one to run (ZeRO partitions the split parameters then)
+        self.after_parameters_split: list[Callable[[nn.Module], nn.Module]] | None = None
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # as DeepSpeed reads it from the launcher
         self.destroyed = False
         self.in_engine_backward = False  # True while engine.backward runs (a plain loss.backward() is scaled by hooks)
@@ -358,7 +371,7 @@ class EngineCore:
     def data_parallel_world_size(self) -> int:
         """Ranks that train on different data (every rank here; a pipeline engine counts pipelines;
         tensor parallelism counts its DP group)."""
-        groups = getattr(self, "process_groups", None)
+        groups = self.process_groups
         return groups.dp_size if groups is not None else self.world_size
 
     def train_micro_batch_size_per_gpu(self) -> int:

@@ -207,7 +207,7 @@ class ZeroExtension(EngineExtension):
         if engine.optimizer is not None:
             check_zero_optimizer(engine.optimizer, bool(engine.config.zero_allow_untested_optimizer))
         params_or_error(engine.module, needs_training=True)
-        later = getattr(engine, "after_parameters_split", None)
+        later = engine.after_parameters_split
         if later is not None:  # tensor parallelism reshapes the parameters at the first batch: partition its slices then
             later.append(lambda split: self._partition_split(engine, split))
             return
@@ -230,7 +230,7 @@ class ZeroExtension(EngineExtension):
         zc = self.zc
         params = params_or_error(engine.module, needs_training=True)
         threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
-        groups = getattr(engine, "process_groups", None)  # ZeRO shards over the data-parallel group only
+        groups = engine.process_groups  # ZeRO shards over the data-parallel group only
         self.partition = ZeroPartition(
             engine.module,
             zc.stage,
@@ -243,7 +243,7 @@ class ZeroExtension(EngineExtension):
         )
         engine.zero = self.partition  # the handle checkpoints, tests and tools read
         if zc.stage >= 2 and not keep_optimizer_object:
-            engine.compile_target = ZeroModule(engine.module, self.partition)  # type: ignore[attr-defined]
+            engine.compile_target = ZeroModule(engine.module, self.partition)
         if engine.optimizer is not None:
             # Offloaded host steps keep torch's fused CPU AdamW (the fast one) and stay bitwise equal to no offload:
             # cpu offload steps whole shards, NVMe tiles cut shards only at vector-aligned positions (CUT_ELEMENTS).

@@ -406,7 +406,7 @@ class ZeroProfileExtension(EngineExtension):
         if self.zc.stage < 2:
             log.info("zero_optimization.profile_steps: ZeRO-1 has no collectives in the graphs to plan; not profiling")
             return
-        if not getattr(engine, "compiles_model", False):
+        if not engine.compiles_model:
             log.info("zero_optimization.profile_steps: this engine does not compile its model; not profiling")
             return
         self.profiler = ZeroProfiler(engine.config, self.zc, self.zc.profile_steps, engine.recompile)
