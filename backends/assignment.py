@@ -71,3 +71,18 @@ def assignment_report(gm: torch.fx.GraphModule, lowering: str, reason: str) -> s
     if ops:
         lines += ["dscompile ops (their own kernels):", *ops]
     return "\n".join(lines) + "\n"
+
+
+def region_report(gm: torch.fx.GraphModule) -> str:
+    """Readable summary of regions and skipped nodes (written to the dump)."""
+    lines = []
+    for node in gm.graph.nodes:
+        meta = node.meta.get("dscompile", {})
+        if node.op == "call_module" and "region" in meta:
+            how = f"kernel {meta['kernel']}" if "kernel" in meta else meta.get("fusion_skip_reason", "not lowered yet")
+            lines.append(f"region {meta['region']} [{how}]: {', '.join(meta.get('region_nodes', []))}")
+    for node in gm.graph.nodes:
+        reason = node.meta.get("dscompile", {}).get("fusion_skip_reason")
+        if reason:
+            lines.append(f"skipped {node.name}: {reason}")
+    return "\n".join(lines) + "\n"

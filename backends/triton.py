@@ -104,16 +104,10 @@ def _compile_region(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx
 
 
 def lower_regions(gm: torch.fx.GraphModule, ctx: Any = None) -> dict[str, Any]:
-    """Replace region submodules by kernel launchers; returns {region: KernelSource | reason}."""
+    """Replace the region submodules the ``fuse`` pass made by kernel launchers; returns {region: KernelSource | reason}."""
+    from dscompile.backends.assignment import REGION_PREFIX
     from dscompile.graph import ds_meta
-    from dscompile.passes.fusion import REGION_PREFIX, fuse_regions
 
-    if not any(n.op == "call_module" and str(n.target).startswith(REGION_PREFIX) for n in gm.graph.nodes):
-        if ctx is not None:  # a real compile without the fuse pass (tests call this on bare graphs)
-            from dscompile.passes.matmul_epilogue_fold import fold_matmul_epilogues
-
-            fold_matmul_epilogues(gm)
-        fuse_regions(gm)
     results: dict[str, Any] = {}
     for node in gm.graph.nodes:
         if node.op != "call_module" or not str(node.target).startswith(REGION_PREFIX):
@@ -135,7 +129,7 @@ def lower_regions(gm: torch.fx.GraphModule, ctx: Any = None) -> dict[str, Any]:
     return results
 
 
-@register_lowering("triton", decompositions=triton_decompositions)
+@register_lowering("triton", decompositions=triton_decompositions, required_passes=("fuse",))
 def lower_triton(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: Any) -> Callable[..., Any]:
     """Fused regions become generated Triton kernels; matmuls and the rest run as aten calls."""
     from torch._functorch.aot_autograd import make_boxed_func
@@ -159,8 +153,8 @@ def lower_triton(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: A
         LOWERED_GRAPHS[ctx.graph_name] = summary
         dump = getattr(getattr(ctx, "config", None), "dump", None)
         if dump:
+            from dscompile.backends.assignment import region_report
             from dscompile.backends.triton_kernels_cache import write_dump
-            from dscompile.passes.fusion import region_report
 
             path = write_dump(sources, dump, ctx.graph_name)
             (path.parent / "regions.txt").write_text(region_report(gm))

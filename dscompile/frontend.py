@@ -22,7 +22,7 @@ import torch.fx
 
 from dscompile.config import DSConfig, load_config
 from dscompile.graph import fill_capture_values, fill_rng_wrapper_values, runtime_inputs, unlift_runtime_inputs
-from dscompile.pipeline import PassContext, PassInvocation, PassManager, PassRecord, pipeline_from_config, pipeline_lowering
+from dscompile.pipeline import PassContext, PassInvocation, PassManager, PassRecord, get_pass, pipeline_from_config, pipeline_lowering
 from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
 log = logging.getLogger("dscompile.frontend")
@@ -165,6 +165,7 @@ class GraphCompiler:
             gm = self.lowering.prepare_joint(gm, example_inputs)  # no joint graph: the forward stands in for it
         _progress(self.graph_name, f"passes on the {label} graph")
         gm = self.manager.run(gm, ctx)
+        gm = self._run_required_passes(gm, ctx)
         from dscompile.backends.decompose import decompose_leftovers
 
         start, before = time.perf_counter(), len(gm.graph.nodes)
@@ -180,6 +181,21 @@ class GraphCompiler:
         collectives = graph_collectives(gm)
         # Each run of a graph with collectives adds them to the running engine's communication_stats().
         return count_graph_runs(compiled, collectives) if collectives else compiled
+
+
+    def _run_required_passes(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+        """The passes the lowering compiles the output of (the triton lowering: ``fuse``'s regions) that this graph's
+        pipeline left out, with their default options."""
+        ran = {inv.name for inv in self.manager.applicable(ctx.graph_kind)}
+        for name in self.lowering.required_passes:
+            info = get_pass(name)
+            if name in ran or info.fn is None or ctx.graph_kind not in info.graphs:
+                continue
+            log.info("%s: lower(%s) needs the %s pass; running it with its defaults", ctx.graph_name, self.lowering_name, name)
+            result = info.fn(gm, ctx, info.options() if info.options is not None else None)
+            gm = result if result is not None else gm
+            gm.recompile()
+        return gm
 
 
 def record_assignment(gm: torch.fx.GraphModule, lowering: str, reason: str, ctx: PassContext, dumper: Any, record: PassRecord | None = None) -> None:

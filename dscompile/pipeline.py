@@ -144,25 +144,33 @@ PrepareFn = Callable[[torch.fx.GraphModule, Sequence[Any]], torch.fx.GraphModule
 @dataclass(frozen=True)
 class Lowering:
     """A lowering: ``compile(gm, example_inputs, ctx)``, the decompositions it wants AOTAutograd to
-    apply, and what it must do to the joint graph before partitioning (None: nothing)."""
+    apply, what it must do to the joint graph before partitioning (None: nothing), and the registered passes
+    whose output it compiles (the frontend runs them on a graph whose pipeline left them out)."""
 
     name: str
     compile: LowerFn
     decompositions: Callable[[], dict | None]
     doc: str
     prepare_joint: PrepareFn | None = None
+    required_passes: tuple[str, ...] = ()
 
 
 _LOWERINGS: dict[str, Lowering] = {}
 
 
 def register_lowering(
-    name: str, *, decompositions: Callable[[], dict | None] = lambda: None, prepare_joint: PrepareFn | None = None
+    name: str,
+    *,
+    decompositions: Callable[[], dict | None] = lambda: None,
+    prepare_joint: PrepareFn | None = None,
+    required_passes: tuple[str, ...] = (),
 ) -> Callable[[LowerFn], LowerFn]:
-    """Register ``fn(gm, example_inputs, ctx)`` as the lowering ``name`` (a module in ``backends/``)."""
+    """Register ``fn(gm, example_inputs, ctx)`` as the lowering ``name`` (a module in ``backends/``).
+    ``required_passes``: passes by name that must have run on a graph before it compiles it (a backend never
+    imports a pass: the frontend runs them through this registry)."""
 
     def decorator(fn: LowerFn) -> LowerFn:
-        _LOWERINGS[name] = Lowering(name, fn, decompositions, (fn.__doc__ or "").strip(), prepare_joint)
+        _LOWERINGS[name] = Lowering(name, fn, decompositions, (fn.__doc__ or "").strip(), prepare_joint, required_passes)
         return fn
 
     return decorator

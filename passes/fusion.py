@@ -19,7 +19,7 @@ import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupport
 
-from dscompile.backends.assignment import REGION_PREFIX
+from dscompile.backends.assignment import REGION_PREFIX, region_report  # noqa: F401  (tests import it from here)
 from dscompile.backends.triton_codegen import (
     CodegenUnsupported,
     TensorSpec,
@@ -234,21 +234,6 @@ def _ensure_values(sub: torch.fx.GraphModule) -> None:
     for n in sub.graph.nodes:
         if n.op in ("placeholder", "call_function") and "val" not in n.meta:
             raise CodegenUnsupported(f"region node {n.name} lost its meta['val']")
-
-
-def region_report(gm: torch.fx.GraphModule) -> str:
-    """Readable summary of regions and skipped nodes (written to the dump)."""
-    lines = []
-    for node in gm.graph.nodes:
-        meta = node.meta.get("dscompile", {})
-        if node.op == "call_module" and "region" in meta:
-            how = f"kernel {meta['kernel']}" if "kernel" in meta else meta.get("fusion_skip_reason", "not lowered yet")
-            lines.append(f"region {meta['region']} [{how}]: {', '.join(meta.get('region_nodes', []))}")
-    for node in gm.graph.nodes:
-        reason = node.meta.get("dscompile", {}).get("fusion_skip_reason")
-        if reason:
-            lines.append(f"skipped {node.name}: {reason}")
-    return "\n".join(lines) + "\n"
 
 
 @register_pass("fuse", graphs=("forward", "backward"))

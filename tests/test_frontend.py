@@ -85,6 +85,17 @@ def test_options_from_config_file_and_textual_pipeline(tmp_path):
     _compare_training("mlp", {"pipeline": "cse,dce,lower(eager)"})
 
 
+def test_the_triton_lowering_gets_its_regions_from_a_pipeline_without_fuse():
+    """``lower(triton)`` compiles the ``fuse`` pass's regions: a textual pipeline that leaves the pass out still gets
+    them (the frontend runs the lowering's required passes), so the graphs run generated kernels, equal to eager."""
+    from dscompile.backends.triton_kernels_cache import LOWERED_GRAPHS
+
+    LOWERED_GRAPHS.clear()
+    torch._dynamo.reset()
+    _compare_training("mlp", {"pipeline": "cse,dce,lower(triton)"})
+    assert LOWERED_GRAPHS and all(summary["kernels"] > 0 for summary in LOWERED_GRAPHS.values()), LOWERED_GRAPHS
+
+
 def test_mode_keyword_is_accepted():
     model = torch.nn.Linear(3, 3)
     x = torch.randn(2, 3)

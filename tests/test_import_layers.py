@@ -144,3 +144,11 @@ def test_no_new_import_cycles() -> None:
     gone = [sorted(c) for c in KNOWN_CYCLES - cycles]
     assert not new, f"modules that import each other: {new}"
     assert not gone, f"cycles broken: take them off KNOWN_CYCLES: {gone}"
+
+
+def test_backends_never_import_passes() -> None:
+    """A backend reads what passes left in node metadata (DESIGN.md); the passes it compiles the output of are named
+    in its ``register_lowering(required_passes=...)`` and run by the frontend through the registry."""
+    edges = [e for e in all_edges() if e.source.startswith("dscompile.backends.") and e.target.startswith("dscompile.passes")]
+    reaching = [f"{e.source} (line {e.line}) imports {e.target}" for e in edges]
+    assert not reaching, "backends importing passes:\n" + "\n".join(reaching)

@@ -26,6 +26,7 @@ from dscompile.backends.triton_codegen import (
     print_index,
     reshape_index,
 )
+from dscompile.passes.fusion import fuse_regions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 aten = torch.ops.aten
@@ -33,8 +34,9 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16:
 
 
 def lowered(fn, *inputs):
-    """Trace ``fn`` to aten with the triton decompositions and lower its regions."""
+    """Trace ``fn`` to aten with the triton decompositions, form its regions (the fuse pass's work) and lower them."""
     gm = make_fx(fn, decomposition_table=triton_decompositions(), tracing_mode="fake")(*inputs)
+    fuse_regions(gm)
     results = lower_regions(gm)
     gm.recompile()
     return gm, results
@@ -291,6 +293,7 @@ def test_fold_matmul_epilogues_rewrites_chains_and_matches_eager():
     assert sorted(n.args[4] for n in calls) == ["gelu_tanh", "none", "relu"]
     assert sum(n.args[3] is not None for n in calls) == 1
     assert not [n for n in gm.graph.nodes if n.target in (aten.addmm.default, aten.mm.default, aten.gelu.default, aten.relu.default)]
+    fuse_regions(gm)
     lower_regions(gm)  # the folded calls stay calls: the template is not a region
     assert len([n for n in gm.graph.nodes if n.target is matmul_epilogue_call]) == 3
     gm.recompile()
