@@ -63,6 +63,7 @@ from torch import nn
 
 from dscompile.config import DSConfig, parse_dataclass, read_json_config, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileError, suggest
+from dscompile.passes.layer_reduction import LayerReductionConfig, reduce_layers
 from dscompile.pipeline import PassInvocation, invocation, register_config_rule
 from dscompile.runtime.compression.direct_calls import guard_layer, route_calls, unguard_layers, unroute_calls
 from dscompile.runtime.compression.scheduler import CompressionScheduler, attach_scheduler, scheduler_of
@@ -237,31 +238,6 @@ class Technique:
     @property
     def enabled(self) -> bool:
         return bool(self.shared.enabled)
-
-
-@dataclass
-class LayerReductionConfig:
-    enabled: bool = False
-    keep_number_layer: int | None = None
-    module_name_prefix: str = ""
-    teacher_layer: list[int] = field(default_factory=list)
-    other_module_name: list[str] = field(default_factory=list)
-
-    def validate(self, path: str) -> None:
-        if not self.enabled:
-            return
-        if not self.module_name_prefix:
-            raise DSCompileConfigError(f"{path}.module_name_prefix", "must name the layer list, e.g. 'bert.encoder.layer' or 'transformer.h'")
-        if not self.teacher_layer:
-            raise DSCompileConfigError(f"{path}.teacher_layer", "must list the teacher layers the student keeps, e.g. [1, 3, 5]")
-        if self.keep_number_layer is None:
-            self.keep_number_layer = len(self.teacher_layer)
-        if self.keep_number_layer != len(self.teacher_layer):
-            raise DSCompileConfigError(
-                f"{path}.keep_number_layer", f"({self.keep_number_layer}) must equal the length of teacher_layer ({len(self.teacher_layer)})"
-            )
-        if any(i < 0 for i in self.teacher_layer):
-            raise DSCompileConfigError(f"{path}.teacher_layer", "layer indices must be >= 0")
 
 
 @dataclass
@@ -708,7 +684,6 @@ def prepare_model(
     scheduler (nothing switched on yet) and, with ``call_options``, the model's own calls routed
     through a dscompile compile with those options."""
     if section.layer_reduction.enabled:
-        from dscompile.passes.layer_reduction import reduce_layers  # a sibling that imports this module
 
         reduce_layers(model, teacher, section.layer_reduction)
     states = attach_compression(model, section)

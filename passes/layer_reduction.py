@@ -18,14 +18,40 @@ captured afterwards simply has fewer layers.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.passes.compression import SECTION, LayerReductionConfig
 
 log = logging.getLogger("dscompile.passes.layer_reduction")
+SECTION = "compression_training"  # the config section this key sits in (passes/compression.py parses it)
+
+
+@dataclass
+class LayerReductionConfig:
+    enabled: bool = False
+    keep_number_layer: int | None = None
+    module_name_prefix: str = ""
+    teacher_layer: list[int] = field(default_factory=list)
+    other_module_name: list[str] = field(default_factory=list)
+
+    def validate(self, path: str) -> None:
+        if not self.enabled:
+            return
+        if not self.module_name_prefix:
+            raise DSCompileConfigError(f"{path}.module_name_prefix", "must name the layer list, e.g. 'bert.encoder.layer' or 'transformer.h'")
+        if not self.teacher_layer:
+            raise DSCompileConfigError(f"{path}.teacher_layer", "must list the teacher layers the student keeps, e.g. [1, 3, 5]")
+        if self.keep_number_layer is None:
+            self.keep_number_layer = len(self.teacher_layer)
+        if self.keep_number_layer != len(self.teacher_layer):
+            raise DSCompileConfigError(
+                f"{path}.keep_number_layer", f"({self.keep_number_layer}) must equal the length of teacher_layer ({len(self.teacher_layer)})"
+            )
+        if any(i < 0 for i in self.teacher_layer):
+            raise DSCompileConfigError(f"{path}.teacher_layer", "layer indices must be >= 0")
 
 _COUNT_ATTRIBUTES = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 

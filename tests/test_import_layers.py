@@ -31,7 +31,6 @@ KNOWN_CYCLES = {
     frozenset({"dscompile.runtime.deepspeed_checkpoint", "dscompile.runtime.tensor_parallel", "dscompile.runtime.tensor_parallel_checkpoint",
                "dscompile.runtime.zero_checkpoint"}),
     # layer reduction reads compression's config section; compression's prepare_model runs layer reduction
-    frozenset({"dscompile.passes.compression", "dscompile.passes.layer_reduction"}),
     # sequence parallelism builds on tensor_parallel's helpers; parallelize() calls it back
     frozenset({"dscompile.passes.tensor_parallel", "dscompile.passes.tensor_parallel_sequence"}),
 }
