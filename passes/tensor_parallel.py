@@ -83,6 +83,7 @@ from torch import fx, nn
 
 from dscompile.config import parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.passes.tensor_parallel_graph_facts import POINTWISE, REDUCTIONS, SECTION, VIEWS, node_shape, view_groups
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, process_groups_for
 from dscompile.runtime.tensor_parallel import (
@@ -105,7 +106,6 @@ from dscompile.runtime.tensor_parallel_checkpoint import restore_optimizer
 log = logging.getLogger("dscompile.passes.tensor_parallel")
 aten = torch.ops.aten
 
-SECTION = "tensor_parallel"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ def _adds_to_residual_after_norm(node: fx.Node, limit: int = 24) -> bool:
     """The value is normalised (its every use one of a norm's ops) and then added to the residual stream: an ``add``
     of the normalised value and a same-shaped tensor that does not come from it. A row-parallel linear's output is
     all-reduced right after the linear, so the norm sees the whole value."""
-    shape = _shape(node)
+    shape = node_shape(node)
     derived = {node}
     frontier = [node]
     residual = None
@@ -344,7 +344,7 @@ def _adds_to_residual_after_norm(node: fx.Node, limit: int = 24) -> bool:
             if user in derived or user is residual:
                 continue
             others = [a for a in user.all_input_nodes if a not in derived]
-            same_shape = _shape(user) == shape and len(others) == 1 and _shape(others[0]) == shape
+            same_shape = node_shape(user) == shape and len(others) == 1 and node_shape(others[0]) == shape
             if user.target is aten.add.Tensor and same_shape and node not in _ancestors(others[0]):
                 if residual is not None:
                     return False
@@ -359,48 +359,7 @@ def _adds_to_residual_after_norm(node: fx.Node, limit: int = 24) -> bool:
 
 def _is_empty(node: Any) -> bool:
     """A 1-D tensor of no elements: ``cat`` skips it (Hugging Face's cache starts as ``torch.tensor([])``)."""
-    return _shape(node) == (0,)
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
-
-
-_POINTWISE = {
-    aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.neg.default, aten.sigmoid.default,
-    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.pow.Tensor_Scalar, aten.masked_fill.Scalar,
-    aten.where.self, aten.dropout.default, aten.clone.default, aten.contiguous.default, aten._to_copy.default,
-    aten.to.dtype, aten.type_as.default, aten.alias.default, aten.mul.Scalar, aten.add.Scalar, aten.div.Scalar,
-    aten.rsqrt.default, aten.exp.default, aten.erf.default,
-}  # fmt: skip
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-# reductions over listed dims (Qwen3's RMSNorm of each head over its head_dim): whole on the slice if the sliced dim is not one of them
-_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction}
-
-
-def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """A view's dims in groups of equal products (``[B, S, H] -> [B*S, H]``: ``([0, 1], [0]), ([2], [1])``)."""
-    groups = []
-    i = j = 0
-    while i < len(src) or j < len(dst):
-        gi, gj = [i], [j]
-        a = src[i] if i < len(src) else 1
-        b = dst[j] if j < len(dst) else 1
-        i, j = i + 1, j + 1
-        while a != b:
-            if a < b and i < len(src):
-                a *= src[i]
-                gi.append(i)
-                i += 1
-            elif b < a and j < len(dst):
-                b *= dst[j]
-                gj.append(j)
-                j += 1
-            else:
-                return []
-        groups.append((gi, gj))
-    return groups
+    return node_shape(node) == (0,)
 
 
 def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, heads_of_one: bool = False) -> tuple[int, bool]:
@@ -410,7 +369,7 @@ def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int, heads_of_one
     Shapes cannot tell ``[.., F] -> [.., 1, F]`` as one head of ``F`` features (MQA's keys) from a size-one
     dim put before ``F`` (a decode step's sequence); the features are the default, ``heads_of_one`` picks the
     size-one dim. A sliced dim of size one (that one head) stays a size-one dim, or the outermost of a merge."""
-    for gi, gj in _view_groups(src, dst):
+    for gi, gj in view_groups(src, dst):
         if dim in gi:
             real_src = [d for d in gi if d < len(src) and (src[d] != 1 or d == dim)]
             if real_src[0] != dim:
@@ -445,7 +404,7 @@ class _Propagator:
         self.sections: dict[fx.Node, dict[fx.Node, tuple[int, int]]] = {}  # column -> its slices along the features -> [start, end)
 
     def seed(self, column: fx.Node) -> None:
-        shape = _shape(column)
+        shape = node_shape(column)
         if shape is None:
             raise _Unsplittable(f"{column.name} has no shape")
         self.sharded[column] = len(shape) - 1
@@ -459,8 +418,8 @@ class _Propagator:
         target = node.target
         src = ins[0]
         d = self.sharded[src]
-        in_shape, out_shape = _shape(src), _shape(node)
-        if target in _VIEWS:
+        in_shape, out_shape = node_shape(src), node_shape(node)
+        if target in VIEWS:
             assert in_shape is not None and out_shape is not None
             out, ambiguous = _view_dim(in_shape, out_shape, d, self.heads_of_one)
             self.ambiguous |= ambiguous
@@ -499,7 +458,7 @@ class _Propagator:
             self.sharded[node] = out
         elif target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             dim = node.args[2] % len(in_shape) if len(node.args) > 2 else 0  # type: ignore[operator]
-            parts = [_shape(u) for u in node.users]
+            parts = [node_shape(u) for u in node.users]
             if dim == d:
                 if src not in self.origin or self.blocks[self.origin[src]] != 1 or len({p for p in parts}) != 1:
                     raise _Unsplittable("the sliced dimension is split unevenly or twice")
@@ -551,7 +510,7 @@ class _Propagator:
             if start < d <= end:
                 raise _Unsplittable("a flatten merges the sliced dimension under an outer one")
             self.sharded[node] = d if d <= start else d - (end - start)
-        elif target in _REDUCTIONS:
+        elif target in REDUCTIONS:
             dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
             if not dims:
                 raise _Unsplittable(f"{node.name} ({target}) reduces every dimension")
@@ -560,17 +519,17 @@ class _Propagator:
                 raise _Unsplittable(f"{target} along the sliced dimension")
             keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
             self.sharded[node] = d if keepdim else d - sum(1 for x in dims if x < d)
-        elif target in _POINTWISE:
+        elif target in POINTWISE:
             outs = set()
             for a in node.all_input_nodes:
-                sa = _shape(a)
+                sa = node_shape(a)
                 if a in self.sharded:
                     outs.add(self.sharded[a] + len(out_shape) - len(sa))  # type: ignore[arg-type]
             if len(outs) != 1:
                 raise _Unsplittable(f"{node.name} mixes tensors sliced along different dimensions")
             (out,) = outs
             for a in node.all_input_nodes:
-                sa = _shape(a)
+                sa = node_shape(a)
                 if a not in self.sharded and sa is not None:
                     k = out - (len(out_shape) - len(sa))
                     if k >= 0 and sa[k] != 1:
@@ -578,7 +537,7 @@ class _Propagator:
             self.sharded[node] = out
         elif target in (aten.matmul.default, aten.bmm.default):
             a, b = node.args[0], node.args[1]
-            sa, sb = _shape(a), _shape(b)
+            sa, sb = node_shape(a), node_shape(b)
             out = None
             for x, sx in ((a, sa), (b, sb)):
                 if x in self.sharded:
@@ -602,7 +561,7 @@ class _Propagator:
             if node.kwargs.get("enable_gqa"):  # query heads attend to their KV head inside the op
                 self.conversions[node] = [k, v]  # type: ignore[list-item]
             mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-            sm = _shape(mask)
+            sm = node_shape(mask)
             if sm is not None and len(sm) == 4 and sm[1] != 1:
                 raise _Unsplittable("an attention mask per head")
             self.sharded[node] = 1
@@ -635,7 +594,7 @@ class _Propagator:
         both into the query heads."""
         if src.target is not aten.expand.default or d + 1 >= len(in_shape) or in_shape[d + 1] == 1:
             return
-        before = _shape(src.args[0])
+        before = node_shape(src.args[0])
         if before is None or len(before) != len(in_shape) or before[d + 1] != 1 or out_shape[out] != in_shape[d] * in_shape[d + 1]:
             return
         self.conversions[node] = [src]
@@ -685,7 +644,7 @@ def _units(prop: _Propagator, nodes: Any = None) -> int:
     heads, or KV-head groups under GQA (a query head is sliced with its KV head), or hidden units; the split is in these."""
     sizes = []
     for node, dim in prop.sharded.items():
-        shape = _shape(node)
+        shape = node_shape(node)
         if shape is not None and (nodes is None or node in nodes):
             sizes.append(shape[dim] // prop.blocks.get(node, 1))  # a fused projection: each of its parts
     sizes += [size for node, (pos, size) in prop.rewrites.items() if pos == -1 and (nodes is None or node in nodes)]  # split(x, size): each part
@@ -733,12 +692,12 @@ def _analyse(prop: _Propagator, columns: list[Linear], row: Linear, region: list
         prop.visit(n)
     for column, cuts in prop.sections.items():
         bounds = sorted(set(cuts.values()))
-        size = _shape(column)[-1]  # type: ignore[index]
+        size = node_shape(column)[-1]  # type: ignore[index]
         if bounds[0][0] != 0 or bounds[-1][1] != size or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
             raise _Unsplittable(f"the slices of {column.name}'s features {bounds} do not cut it into parts")
     if row.input not in prop.sharded:
         raise _Unsplittable("its input does not come from the feeding linears")
-    last = _shape(row.input)
+    last = node_shape(row.input)
     if prop.sharded[row.input] != len(last) - 1:  # type: ignore[arg-type]
         raise _Unsplittable("its input is sliced along another dimension than its features")
     return prop
@@ -852,11 +811,11 @@ def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str
             if _arg(loss, 2, "weight", None) is not None or _arg(loss, 3, "reduction", 1) != 1 or _arg(loss, 5, "label_smoothing", 0.0):
                 raise _Unsplittable("only the mean cross-entropy without class weights or label smoothing is split by vocabulary")
             logits = loss.args[0]
-            if len(_shape(logits) or ()) != 2:
+            if len(node_shape(logits) or ()) != 2:
                 raise _Unsplittable("the loss does not read [tokens, vocabulary] logits")
             views, x, chain = [], logits, []
-            while x.target in _VIEWS or _casts_only(x) or _per_logit(x):  # views, Hugging Face's logits.float(), Gemma2's soft-capping
-                if x.target in _VIEWS:
+            while x.target in VIEWS or _casts_only(x) or _per_logit(x):  # views, Hugging Face's logits.float(), Gemma2's soft-capping
+                if x.target in VIEWS:
                     views.append(x)
                 chain.insert(0, x)
                 x = x.args[0]
@@ -866,8 +825,8 @@ def find_vocab_heads(gm: fx.GraphModule) -> tuple[list[VocabHead], list[dict[str
                 raise _Unsplittable("the loss does not read the logits of a linear without bias")
             if any(h.linear.node is x for h in heads):
                 raise _Unsplittable(f"the LM head {x.name} also feeds another loss")
-            vocab = _shape(x)[-1]  # type: ignore[index]
-            if any((_shape(v) or (0,))[-1] != vocab for v in views):
+            vocab = node_shape(x)[-1]  # type: ignore[index]
+            if any((node_shape(v) or (0,))[-1] != vocab for v in views):
                 raise _Unsplittable("a view between the LM head and the loss moves the vocabulary dimension")
             param = _attr(gm, str(x.args[1].target))  # type: ignore[union-attr]
             readers = [n for n in gm.graph.nodes if n.op == "get_attr" and _attr(gm, str(n.target)) is param]  # tied: any name

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.passes.tensor_parallel import _POINTWISE, _VIEWS, SECTION, _shape, _view_groups
+from dscompile.passes.tensor_parallel_graph_facts import POINTWISE, SECTION, VIEWS, node_shape, view_groups
 from dscompile.runtime.tensor_parallel import sp_gather, sp_reduce_scatter, sp_scatter, tp_copy, tp_reduce
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
@@ -47,9 +47,9 @@ def find_sequence(gm: fx.GraphModule, tp: int) -> SequenceLayout:
         if node.target is not aten.embedding.default:
             continue
         ids = node.args[1]
-        while isinstance(ids, fx.Node) and ids.op == "call_function" and (ids.target in _VIEWS or ids.target is aten.clone.default):
+        while isinstance(ids, fx.Node) and ids.op == "call_function" and (ids.target in VIEWS or ids.target is aten.clone.default):
             ids = ids.args[0]
-        shape = _shape(ids)
+        shape = node_shape(ids)
         if isinstance(ids, fx.Node) and ids.op == "placeholder" and shape is not None and len(shape) == 2:
             found.add(shape)
     if len(found) != 1:
@@ -68,7 +68,7 @@ def find_sequence(gm: fx.GraphModule, tp: int) -> SequenceLayout:
 def _sequence_through_view(src: tuple[int, ...], dst: tuple[int, ...], dim: int, batch: int, seq: SequenceLayout) -> tuple[int, int] | None:
     """Where the sequence chunk of ``src`` (``dim``; ``batch`` > 0: ``[batch * sequence]`` flattened) lands in a view
     to ``dst``, or None when the view mixes it with other dims (a reader that then reads it gathered)."""
-    for gi, gj in _view_groups(src, dst):
+    for gi, gj in view_groups(src, dst):
         if dim not in gi:
             continue
         gi = [k for k in gi if k < len(src)]
@@ -128,7 +128,7 @@ class _SequenceSharding:
 
     def _reduce_scatter(self, node: fx.Node) -> None:
         partial = node.args[0]
-        shape = _shape(partial)
+        shape = node_shape(partial)
         assert shape is not None
         prefix = shape[:-1]
         b, s = self.seq.batch, self.seq.length
@@ -193,14 +193,14 @@ class _SequenceSharding:
         """Rewrite ``node`` to run on this rank's chunk when it works token by token; False when it may not."""
         if node.op != "call_function":
             return False
-        out_shape = _shape(node)
+        out_shape = node_shape(node)
         target = node.target
         ins = [a for a in node.all_input_nodes if a in self.sharded]
         if out_shape is None:
             return False
-        if target in _VIEWS:
+        if target in VIEWS:
             dim, batch = self.sharded[node.args[0]]  # type: ignore[index]
-            placed = _sequence_through_view(_shape(node.args[0]), out_shape, dim, batch, self.seq)  # type: ignore[arg-type]
+            placed = _sequence_through_view(node_shape(node.args[0]), out_shape, dim, batch, self.seq)  # type: ignore[arg-type]
             sizes = node.args[1]
             if placed is None or not isinstance(sizes, (list, tuple)) or not isinstance(sizes[placed[0]], int):
                 return False
@@ -214,7 +214,7 @@ class _SequenceSharding:
             if len(ins) != 1 or node.args[0] is not ins[0]:
                 return False
             dim, batch = self.sharded[ins[0]]
-            n = len(_shape(ins[0]))  # type: ignore[arg-type]
+            n = len(node_shape(ins[0]))  # type: ignore[arg-type]
             if target in _NORMS:
                 if len(node.args[1]) > n - 1 - dim:  # type: ignore[arg-type]  # normalized over the sequence too
                     return False
@@ -233,16 +233,16 @@ class _SequenceSharding:
             keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
             self.sharded[node] = (dim if keep else dim - sum(1 for k in dims if k < dim), batch)
             return True
-        if target not in _POINTWISE:
+        if target not in POINTWISE:
             return False
         n = len(out_shape)
-        placed = {(self.sharded[a][0] + n - len(_shape(a)), self.sharded[a][1]) for a in ins}  # type: ignore[arg-type]
+        placed = {(self.sharded[a][0] + n - len(node_shape(a)), self.sharded[a][1]) for a in ins}  # type: ignore[arg-type]
         if len(placed) != 1:
             return False
         ((dim, batch),) = placed
         cut, summed = [], []
         for a in [a for a in node.all_input_nodes if a not in self.sharded]:
-            sa = _shape(a)
+            sa = node_shape(a)
             if sa is None:
                 continue
             k = dim - (n - len(sa))

@@ -30,9 +30,6 @@ KNOWN_CYCLES = {
     # checkpoint formats: the shared state (FullState, checkpoint_kind) and the loaders of each format in one tangle
     frozenset({"dscompile.runtime.deepspeed_checkpoint", "dscompile.runtime.tensor_parallel", "dscompile.runtime.tensor_parallel_checkpoint",
                "dscompile.runtime.zero_checkpoint"}),
-    # layer reduction reads compression's config section; compression's prepare_model runs layer reduction
-    # sequence parallelism builds on tensor_parallel's helpers; parallelize() calls it back
-    frozenset({"dscompile.passes.tensor_parallel", "dscompile.passes.tensor_parallel_sequence"}),
 }
 
 
