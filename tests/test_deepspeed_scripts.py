@@ -98,6 +98,13 @@ def assert_losses(got: list[float], expected: list[float], rtol: float, label: s
     )
 
 
+def assert_trains(got: list[float], trained: list[float], frozen: list[float], label: str) -> None:
+    """bf16 losses are compared at 2e-2, which a model that never trains meets over a few steps: the last loss must
+    also lie nearer the trained reference's than the untrained one's (within a quarter of their gap)."""
+    gap = abs(trained[-1] - frozen[-1])
+    assert abs(got[-1] - trained[-1]) < 0.25 * gap, f"{label}: last loss {got[-1]}, trained {trained[-1]}, never trained {frozen[-1]}"
+
+
 # -- plain PyTorch references ---------------------------------------------------------------------
 def _rank_batches(dataset: Any, micro: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each rank's micro-batches as DeepSpeed's loader draws them (DistributedSampler, shuffled, seed 0)."""
@@ -238,11 +245,12 @@ def gan_reference(batch: int = 4) -> dict[str, list[float]]:
     return record
 
 
-def masked_lm_reference(clip: float) -> list[float]:
-    """The masked-LM script's run in one process: both ranks' batches, losses averaged."""
+def masked_lm_reference(clip: float, lr: float = 0.01) -> list[float]:
+    """The masked-LM script's run in one process: both ranks' batches, losses averaged (``lr=0``: the model that
+    never trains, which a bf16 run's losses must be told apart from)."""
     torch.manual_seed(0)
     model = ds_models.tiny_roberta()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batches = [ds_models.masked_batches(r, 2, STEPS) for r in range(WORLD)]
     losses = []
     for step in range(STEPS):
@@ -253,12 +261,12 @@ def masked_lm_reference(clip: float) -> list[float]:
     return losses
 
 
-def bf16_masters_reference(clip: float) -> list[float]:
+def bf16_masters_reference(clip: float, lr: float = 0.01) -> list[float]:
     """DeepSpeed's meaning of bf16 master weights in plain PyTorch: the model itself in bf16, AdamW over its bf16
     parameters (so bf16 gradients and moments)."""
     torch.manual_seed(42)
     model = ds_models.TinyTransformer().to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batches = [ds_models.token_batches(r, 4, STEPS) for r in range(WORLD)]
     losses = []
     for step in range(STEPS):

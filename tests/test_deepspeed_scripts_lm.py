@@ -17,6 +17,7 @@ from test_deepspeed_scripts import (
     STEPS,
     Runs,
     assert_losses,
+    assert_trains,
     bf16_masters_config,
     bf16_masters_reference,
     compare_with_deepspeed,
@@ -52,6 +53,7 @@ def test_masked_lm_bf16_with_the_optimizer_on_the_host(run):
     DeepSpeed's, and reloading the checkpoint restores it exactly (the fp32 masters are kept beside it)."""
     result = run("masked_lm.py", MASKED_LM_BF16_CONFIG)
     assert_losses(result["losses"], masked_lm_reference(0.0), 2e-2, "masked LM, bf16")
+    assert_trains(result["losses"], masked_lm_reference(0.0), masked_lm_reference(0.0, lr=0.0), "masked LM, bf16")
     assert result["state_dtype"] == "torch.bfloat16" and result["reload_equal"]
 
 
@@ -63,6 +65,7 @@ def test_bf16_master_weights_and_grads(run, stage, autocast):
     assert result["param_dtype"] == "torch.bfloat16" and result["moment_dtypes"] == ["torch.bfloat16"], result
     assert result["state_dtype"] == "torch.bfloat16"
     assert_losses(result["losses"], bf16_masters_reference(1.0), 2e-2, f"bf16 masters, ZeRO-{stage}")
+    assert_trains(result["losses"], bf16_masters_reference(1.0), bf16_masters_reference(1.0, lr=0.0), f"bf16 masters, ZeRO-{stage}")
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
