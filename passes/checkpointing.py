@@ -71,6 +71,7 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dscompile.config import parse_dataclass, register_section
+from dscompile.cost import Roofline, is_matmul_class, node_seconds, roofline_for
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, is_collective, node_value, set_fake_value, tensor_values
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
@@ -201,76 +202,11 @@ class CheckpointOptions:
             raise ValueError(f"partition_group_size must be >= 0, got {self.partition_group_size}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Recompute time: a roofline per node.
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Roofline:
-    """Throughputs of one device class. Only their ratios steer the cut (``lam`` absorbs the scale),
-    so round figures do: what matters is that a pointwise op costs its bytes, not its FLOPs."""
-
-    matmul_flops: float  # FLOP/s of matmul-class ops (mm, addmm, bmm, convolution)
-    vector_flops: float  # FLOP/s of pointwise and reduction ops
-    bandwidth: float  # bytes/s between memory and the cores
-    attention_flops: float = 0.0  # FLOP/s of fused attention (counted over the full, unmasked score matrix); 0: matmul_flops
-
-    def seconds(self, flops: float, moved_bytes: float, kind: str) -> float:
-        """``kind``: "matmul", "attention" or "vector"."""
-        rate = {"matmul": self.matmul_flops, "attention": self.attention_flops or self.matmul_flops}.get(kind, self.vector_flops)
-        return max(flops / rate, moved_bytes / self.bandwidth)
-
-
-ROOFLINES: dict[str, Roofline] = {
-    # One x86 core, fp32, measured on the project machine: sgemm ~150 GFLOP/s, CPU flash attention
-    # ~75 GFLOP/s (causal, head dim 32-64, FLOPs counted over the full score matrix as torch's
-    # formula does), streaming add ~18 GB/s, GELU ~2 G elements/s. More cores scale all alike.
-    "cpu": Roofline(matmul_flops=1.5e11, vector_flops=1e10, bandwidth=2e10, attention_flops=7.5e10),
-    # An H100-class GPU: ~400 TFLOP/s dense matmul (TF32/BF16 tensor cores, achieved), fused
-    # attention at about half that (FlashAttention-2 reaches 50-70% of GEMM throughput, and causal
-    # masking skips half the counted work), ~50 TFLOP/s on the vector units, ~3 TB/s HBM
-    # (datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s).
-    "cuda": Roofline(matmul_flops=4e14, vector_flops=5e13, bandwidth=3e12, attention_flops=2e14),
-}
-
-
-def roofline_for(device: torch.device | str | None) -> Roofline:
-    """The roofline of a device type; anything that is not CPU is priced like a CUDA GPU."""
-    kind = torch.device(device).type if device is not None else "cpu"
-    return ROOFLINES["cpu" if kind == "cpu" else "cuda"]
-
-
-def op_class(node: torch.fx.Node) -> str:
-    """"attention" (any attention kernel), "matmul" (the other ops torch's FLOP counter has formulas
-    for: matmuls, convolutions) or "vector" (pointwise, reductions, everything else)."""
-    from torch.utils.flop_counter import flop_registry
-
-    if node.op != "call_function":
-        return "vector"
-    if "attention" in str(node.target):
-        return "attention"
-    return "matmul" if getattr(node.target, "overloadpacket", None) in flop_registry else "vector"
-
-
-def is_matmul_class(node: torch.fx.Node) -> bool:
-    """Ops whose time is bound by arithmetic: matmuls, convolutions and attention."""
-    return op_class(node) != "vector"
-
-
 def recompute_seconds(node: torch.fx.Node, hints: dict[Any, int], roofline: Roofline) -> float:
-    """Estimated time to run ``node`` once: ``max(flops / throughput, bytes moved / bandwidth)``,
-    with the throughput of the op's class; views and other free ops cost nothing."""
-    from dscompile.cost import evaluate, node_cost
-
+    """Estimated time to recompute ``node`` (the cost model's ``node_seconds``); views and other aliases are free."""
     if node.op != "call_function" or is_alias(node):
         return 0.0
-    cost = node_cost(node)
-    flops = evaluate(cost.flops, hints)
-    if flops == 0 and cost.bytes_read == 0 and cost.bytes_written == 0:
-        return 0.0
-    moved = evaluate(cost.bytes_read, hints) + evaluate(cost.bytes_written, hints)
-    return roofline.seconds(float(flops), float(moved), op_class(node))
+    return node_seconds(node, hints, roofline)
 
 
 def _graph_device(nodes: Iterable[torch.fx.Node]) -> torch.device:

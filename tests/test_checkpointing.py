@@ -24,6 +24,7 @@ from unittest import mock
 import pytest
 import torch
 
+from dscompile import cost
 from dscompile.config import load_config
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.passes import checkpointing as ckpt
@@ -247,7 +248,7 @@ def _traced(fn: Any, *shapes: tuple[int, ...]) -> torch.fx.GraphModule:
 def test_roofline_prices_matmuls_by_flops_and_pointwise_by_bytes() -> None:
     gm = _traced(lambda a, b: torch.relu(a @ b).sum(), (256, 256), (256, 256))
     nodes = {str(n.target).split(".")[1]: n for n in gm.graph.nodes if n.op == "call_function"}
-    cpu = ckpt.ROOFLINES["cpu"]
+    cpu = cost.ROOFLINES["cpu"]
     mm = ckpt.recompute_seconds(nodes["mm"], {}, cpu)
     relu = ckpt.recompute_seconds(nodes["relu"], {}, cpu)
     total = ckpt.recompute_seconds(nodes["sum"], {}, cpu)
@@ -263,9 +264,9 @@ def test_roofline_prices_matmuls_by_flops_and_pointwise_by_bytes() -> None:
 
 
 def test_roofline_per_device() -> None:
-    assert ckpt.roofline_for("cpu") is ckpt.ROOFLINES["cpu"]
-    assert ckpt.roofline_for(torch.device("cuda", 1)) is ckpt.ROOFLINES["cuda"]
-    for roof in ckpt.ROOFLINES.values():
+    assert cost.roofline_for("cpu") is cost.ROOFLINES["cpu"]
+    assert cost.roofline_for(torch.device("cuda", 1)) is cost.ROOFLINES["cuda"]
+    for roof in cost.ROOFLINES.values():
         # the ratios that steer the cut: matmul units outrun vector units, both outrun memory
         assert roof.matmul_flops > roof.vector_flops > roof.bandwidth / 4
 
