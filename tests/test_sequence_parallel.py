@@ -53,6 +53,34 @@ def _step_both(engine: Any, reference: torch.nn.Module, ref_opt: torch.optim.Opt
     return float(loss), float(ref_loss)
 
 
+def several_checks(rank: int, world: int, checks: list[tuple[str, tuple]]) -> dict[str, Any]:
+    """Run several of this file's 2-rank checks in one spawned group (one start-up of the ranks, not four), each from
+    a clean Dynamo; a failing check fails the run, and its traceback names it."""
+    out: dict[str, Any] = {}
+    for name, args in checks:
+        torch._dynamo.reset()
+        try:
+            out[name] = globals()[name](rank, world, *args)
+        except BaseException as exc:
+            exc.add_note(f"in the check {name}")
+            raise
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The 2-rank checks of this file, run once for the module; each test asserts on its own check's results."""
+    save_dir = tmp_path_factory.mktemp("sp_checkpoint")
+    checks = [
+        ("train_against_single_process", ()),
+        ("lengths_and_modes", ()),
+        ("checkpoint_round_trip", (str(save_dir),)),
+        ("sparse_attention_losses", ()),
+    ]
+    results = run_distributed_or_fail(several_checks, 2, checks, timeout=900)
+    return {"save_dir": save_dir, **{name: [r[name] for r in results] for name, _ in checks}}
+
+
 def train_against_single_process(rank: int, world: int) -> dict[str, Any]:
     import copy
 
@@ -90,8 +118,8 @@ def train_against_single_process(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.slow
 @requires_backend("gloo")
-def test_sequence_parallel_trains_like_one_process() -> None:
-    results = run_distributed_or_fail(train_against_single_process, 2, timeout=600)
+def test_sequence_parallel_trains_like_one_process(two_rank_results: dict[str, Any]) -> None:
+    results = two_rank_results["train_against_single_process"]
     for name, seq, _ in RUNS:
         for rank, result in enumerate(results):
             r = result[name]
@@ -196,11 +224,11 @@ def checkpoint_round_trip(rank: int, world: int, save_dir: str) -> float:
 
 @pytest.mark.distributed
 @requires_backend("gloo")
-def test_sequence_parallel_checkpoints_resume_exactly(tmp_path: Any) -> None:
+def test_sequence_parallel_checkpoints_resume_exactly(two_rank_results: dict[str, Any]) -> None:
     import json
 
-    assert run_distributed_or_fail(checkpoint_round_trip, 2, str(tmp_path), timeout=300) == [0.0, 0.0]
-    plan = json.loads((tmp_path / "dump" / "sequence_parallel_plan_7.json").read_text())
+    assert two_rank_results["checkpoint_round_trip"] == [0.0, 0.0]
+    plan = json.loads((two_rank_results["save_dir"] / "dump" / "sequence_parallel_plan_7.json").read_text())
     assert plan["sp_size"] == 2 and plan["chunk"] == 4 and len(plan["ulysses"]) == 2 and plan["chunked_losses"], plan
 
 
@@ -227,8 +255,8 @@ def sparse_attention_losses(rank: int, world: int) -> tuple[float, float, float]
 
 @pytest.mark.distributed
 @requires_backend("gloo")
-def test_sequence_parallel_composes_with_sparse_attention() -> None:
-    for ours, sparse, dense in run_distributed_or_fail(sparse_attention_losses, 2, timeout=300):
+def test_sequence_parallel_composes_with_sparse_attention(two_rank_results: dict[str, Any]) -> None:
+    for ours, sparse, dense in two_rank_results["sparse_attention_losses"]:
         assert abs(ours - sparse) <= 1e-5 * abs(sparse), (ours, sparse)
         assert abs(ours - dense) > 1e-5, "the sparse layout was not applied"
 
@@ -257,7 +285,9 @@ def lengths_and_modes(rank: int, world: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": LR}}, "sequence_parallel_size": 2, "lower": "eager"}
-    cases = {seq: build("gpt", seed=3, seq_len=seq, batch_size=2, **SIZES["gpt"]) for seq in (8, 5)}
+    # one layer: each capture is what this checks (every layer's attention split: test_sequence_parallel_trains_like_one_process)
+    sizes = SIZES["gpt"] | {"n_layers": 1}
+    cases = {seq: build("gpt", seed=3, seq_len=seq, batch_size=2, **sizes) for seq in (8, 5)}
     for stage in (0, 2, 3):
         model = copy.deepcopy(cases[8].model)
         reference = copy.deepcopy(model)
@@ -278,7 +308,7 @@ def lengths_and_modes(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @requires_backend("gloo")
-def test_sequence_parallel_captures_each_new_length_and_mode() -> None:
-    for result in run_distributed_or_fail(lengths_and_modes, 2, timeout=600):
+def test_sequence_parallel_captures_each_new_length_and_mode(two_rank_results: dict[str, Any]) -> None:
+    for result in two_rank_results["lengths_and_modes"]:
         for stage, errs in result.items():
             assert len(errs) == 4 and max(errs) < 1e-5, (stage, errs)

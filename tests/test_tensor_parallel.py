@@ -243,8 +243,8 @@ def tp_times_dp(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.slow
 @requires_backend("gloo")
-def test_tp2_times_dp2_on_4_ranks() -> None:
-    results = run_distributed_or_fail(tp_times_dp, 4, timeout=600)
+def test_tp2_times_dp2_on_4_ranks(four_rank_results: dict[str, list]) -> None:
+    results = four_rank_results["tp_times_dp"]
     for zero in ZERO_STAGES:
         rows = [r[zero] for r in results]
         assert [r["tp_ranks"] for r in rows] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # TP innermost
@@ -298,8 +298,30 @@ def six_heads_on_four_ranks(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @requires_backend("gloo")
-def test_six_heads_train_on_tp4() -> None:
-    for r in run_distributed_or_fail(six_heads_on_four_ranks, 4, timeout=300):
+def test_six_heads_train_on_tp4(four_rank_results: dict[str, list]) -> None:
+    for r in four_rank_results["six_heads_on_four_ranks"]:
         assert r["split"] == 2 and not r["replicated"], r  # attention and MLP both split, padded
         assert r["vocab"] and r["vocab"][0]["vocab"] == 41, r
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5 and r["param_err"] < 1e-5, r
+
+
+def four_rank_checks(rank: int, world: int, checks: list[str]) -> dict[str, Any]:
+    """Both 4-rank checks in one spawned group (one start-up of four ranks, not two), each from a clean Dynamo;
+    a failing check fails the run, and its traceback names it."""
+    out: dict[str, Any] = {}
+    for name in checks:
+        torch._dynamo.reset()
+        try:
+            out[name] = globals()[name](rank, world)
+        except BaseException as exc:
+            exc.add_note(f"in the check {name}")
+            raise
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_rank_results() -> dict[str, list]:
+    """The 4-rank checks of this file, run once for the module; each test asserts on its own check's results."""
+    checks = ["tp_times_dp", "six_heads_on_four_ranks"]
+    results = run_distributed_or_fail(four_rank_checks, 4, checks, timeout=900)
+    return {name: [r[name] for r in results] for name in checks}
