@@ -40,11 +40,11 @@ def build_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
         config = GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
         )  # fmt: skip
         return GPT2LMHeadModel(config)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=SEQ, attention_dropout=0.0,
     )  # fmt: skip
     return LlamaForCausalLM(config)
