@@ -7,7 +7,8 @@ of compression/gpt2/run_clm_no_trainer.py. Both run on one torchrun rank with ti
 built from configs, unmodified under DeepSpeed 0.19.5 (``DSCOMPILE_DEEPSPEED_0195`` names a directory
 holding it: ``pip install --target DIR deepspeed==0.19.5``) and with ``import deepspeed`` swapped for
 ``import dscompile as deepspeed``. The configs are the examples' own, shrunk to the tiny models
-(batch 8, 4 heads, 2 of 4 layers kept) and with the pruning offsets at 0 so that a few steps prune.
+(batch 8, 4 heads, BERT 2 layers, XTC's teacher 4 of which 2 are kept, GPT-2 1 layer: the compile of every
+layer costs, one more teaches nothing) and with the pruning offsets at 0 so that a few steps prune.
 Compared: the loss of every step (2e-3, fp32), the evaluation before and after ``redundancy_clean``,
 the attention head counts the example leaves and the cleaned model's parameters.
 """
@@ -205,7 +206,8 @@ def test_bert_example_matches_deepspeed_0195(case: str, tmp_path: Path) -> None:
     head counts the example sets itself (DeepSpeed's redundancy_clean leaves them: a clean that shrank them
     too would have them shrunk twice); the cleaned model's parameters (pruned ones: same shapes and count)."""
     config, distill = BERT_CASES[case]
-    args = ("--distill_method", distill)
+    teacher_layers = 4 if config["compression_training"]["layer_reduction"]["enabled"] else 2  # XTC keeps 2 of 4
+    args = ("--distill_method", distill, "--teacher_layers", str(teacher_layers))
     got, state = run_example(tmp_path, "dscompile", "compress_bert.py", copy.deepcopy(config), *args)
     expected, expected_state = run_example(tmp_path, "deepspeed", "compress_bert.py", copy.deepcopy(config), *args)
     assert len(got["losses"]) == 4

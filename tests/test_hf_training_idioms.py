@@ -38,14 +38,14 @@ VOCAB = 50
 def _gpt2() -> torch.nn.Module:
     """GPT-2 keeps dropout 0.1 (attention, residual, embeddings): the recomputed random ops."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
 
 
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         hidden_size=32,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -255,7 +255,7 @@ def test_autotp_training_with_the_models_cache_equals_one_process() -> None:
         assert r["losses"] == pytest.approx(r["expected"], rel=1e-5)
         assert r["eval"] == pytest.approx(r["expected_eval"], rel=1e-5)
         assert r["caches"] == [None, None] and r["eval_cache"] is None
-        assert r["split"] == 4  # the attention and MLP blocks of both layers still split
+        assert r["split"] == 2  # the layer's attention and MLP blocks still split
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def lm_blocks(samples, seed):
     return [{"input_ids": row, "attention_mask": torch.ones(BLOCK, dtype=torch.long), "labels": row.clone()} for row in ids]
 
 
-config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                     attn_pdrop=0.0, attn_implementation="eager")  # fmt: skip
 if args.not_tie_wre:
     config.tie_word_embeddings = False
