@@ -327,7 +327,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_zero_to_fp32(args: argparse.Namespace) -> int:
-    from dscompile.runtime.zero_checkpoint import main as zero_to_fp32
+    from dscompile.runtime.checkpoint_formats import main as zero_to_fp32
 
     return zero_to_fp32(args.rest)
 

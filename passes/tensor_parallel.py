@@ -88,8 +88,6 @@ from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_
 from dscompile.runtime.process_groups import ProcessGroups, process_groups_for
 from dscompile.runtime.tensor_parallel import (
     SliceSpec,
-    TensorParallelGradients,
-    TensorParallelOver,
     broadcast_in_tp_group,
     gather_slices,
     gather_vocabulary,
@@ -102,6 +100,7 @@ from dscompile.runtime.tensor_parallel import (
     vocab_parallel_embedding,
 )
 from dscompile.runtime.tensor_parallel_checkpoint import restore_optimizer
+from dscompile.runtime.tensor_parallel_gradients import TensorParallelGradients, TensorParallelOver
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
 aten = torch.ops.aten

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dscompile
-from dscompile.runtime import deepspeed_checkpoint, zero_checkpoint
+from dscompile.runtime import checkpoint_formats, deepspeed_checkpoint
 from dscompile.runtime.checkpoint_io import CheckpointCorruptError, CheckpointError
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
@@ -218,7 +218,7 @@ def test_reader_undoes_deepspeed_partitioning(stage: int, tmp_path: Path) -> Non
     model, optimizer = _trained(3)
     write_deepspeed_layout(tmp_path / "global_step3", model, optimizer, stage, world=2, steps=3)
     directory = tmp_path / "global_step3"
-    assert deepspeed_checkpoint.is_deepspeed_checkpoint(directory) and zero_checkpoint.checkpoint_kind(directory) == "deepspeed"
+    assert deepspeed_checkpoint.is_deepspeed_checkpoint(directory) and checkpoint_formats.checkpoint_kind(directory) == "deepspeed"
     full = deepspeed_checkpoint.read_full_state(directory)
     assert f"ZeRO-{stage}" in full.source or (stage == 0 and "without ZeRO" in full.source)
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -234,7 +234,7 @@ def test_reader_undoes_deepspeed_partitioning(stage: int, tmp_path: Path) -> Non
     assert full.lr_scheduler == {"deepspeed": {"last_batch_iteration": 2}}
     if stage:  # zero-to-fp32 reads DeepSpeed's checkpoints too (through the save directory's 'latest')
         out = tmp_path / "fp32.pt"
-        assert zero_checkpoint.main([str(tmp_path), str(out)]) == 0
+        assert checkpoint_formats.main([str(tmp_path), str(out)]) == 0
         consolidated = torch.load(out)
         assert torch.equal(consolidated["head.weight"], model.emb.weight.detach()) and torch.equal(consolidated["counter"], model.counter)
 

@@ -140,7 +140,7 @@ def _reference() -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import dscompile
-    from dscompile.runtime.zero_checkpoint import zero_to_fp32
+    from dscompile.runtime.checkpoint_formats import zero_to_fp32
 
     mpu = _Mpu(tp=2)
     out: dict[str, Any] = {}

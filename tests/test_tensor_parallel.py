@@ -31,7 +31,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def checkpoint_round_trip(rank: int, save_dir: str) -> dict[str, Any]:
     """Save a TP=2 engine, consolidate with zero-to-fp32, resume into a new engine (own slices, optimizer too)."""
     import dscompile
-    from dscompile.runtime.zero_checkpoint import zero_to_fp32
+    from dscompile.runtime.checkpoint_formats import zero_to_fp32
     from dscompile.zoo import build, make_batch
 
     cfg = {"optimizer": ADAMW, "tensor_parallel": {"autotp_size": 2}, "lower": "eager"}

@@ -47,7 +47,7 @@ def _step(engine: Any, batch: tuple[torch.Tensor, ...]) -> None:
 def _resume(rank: int, world: int, save_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from dscompile.runtime.zero_checkpoint import zero_to_fp32
+    from dscompile.runtime.checkpoint_formats import zero_to_fp32
     from dscompile.zoo import make_batch
 
     tp2 = {"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}

@@ -143,7 +143,7 @@ def two_ranks(rank: int, world: int, save_dir: str) -> dict[str, Any]:
     """TP=2: the zoo Llama with one KV head (under Inductor, the default lowering; its checkpoint consolidated), then
     Hugging Face's Gemma (one KV head) through ``repeat_kv`` and through SDPA's ``enable_gqa``."""
     import dscompile
-    from dscompile.runtime.zero_checkpoint import zero_to_fp32
+    from dscompile.runtime.checkpoint_formats import zero_to_fp32
 
     cfg = {"optimizer": SGD, "tensor_parallel": {"autotp_size": 2}, "lower": "eager", "gradient_clipping": CLIP}
     case, ref = build("llama", seed=3, **MQA), build("llama", seed=3, **MQA)

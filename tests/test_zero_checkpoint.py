@@ -11,7 +11,7 @@ import torch.distributed as dist
 from test_zero import _case, _config, _micro_batch
 
 import dscompile
-from dscompile.runtime import zero_checkpoint
+from dscompile.runtime import checkpoint_formats, zero_checkpoint
 from dscompile.runtime.checkpoint_io import CheckpointReader
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
@@ -69,7 +69,7 @@ def reshard_rank(rank: int, world: int, stage: int, save_dir: str, tag: str, out
 
 def _optimizer_states(directory: Path) -> dict[str, dict[str, Any]]:
     reader = CheckpointReader(directory)
-    meta = zero_checkpoint._load_meta(reader)
+    meta = zero_checkpoint.load_meta(reader)
     files = zero_checkpoint._load_shard_files(reader, meta["zero"]["world_size"])
     return zero_checkpoint.full_optimizer_states(meta, files)[0]
 
@@ -95,7 +95,7 @@ def test_checkpoint_resume_reshard_and_consolidate(tmp_path: Path) -> None:
 
     # zero-to-fp32: the consolidated state_dict holds the trained full parameters (tied names too).
     out = tmp_path / "full.pt"
-    assert zero_checkpoint.main([str(ckpt), str(out)]) == 0
+    assert checkpoint_formats.main([str(ckpt), str(out)]) == 0
     full = torch.load(out)
     for name, value in first[0]["params"].items():
         assert torch.equal(full[name], value), name

@@ -738,7 +738,7 @@ class PipelineEngine(EngineCore):
             log.warning("no 'latest' file in %s: nothing loaded (pass tag= to pick a checkpoint)", load_dir)
             return None, None
         directory = resolve_checkpoint_dir(load_dir, tag)  # says which tags exist when this one does not
-        from dscompile.runtime.zero_checkpoint import checkpoint_kind, describe_checkpoint
+        from dscompile.runtime.checkpoint_formats import checkpoint_kind, describe_checkpoint
 
         if checkpoint_kind(directory) != "pipeline":  # also: no manifest, an interrupted save
             raise CheckpointError(

@@ -46,7 +46,7 @@ from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.process_exit import init_process_group
 from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups
 from dscompile.runtime.schedulers import build_scheduler
-from dscompile.runtime.tensor_parallel import TensorParallelGradients, TensorParallelOver
+from dscompile.runtime.tensor_parallel_gradients import TensorParallelGradients, TensorParallelOver
 from dscompile.runtime.zero_extension import shard_optimizer
 from dscompile.runtime.zero_init import materialize
 from dscompile.runtime.zero_shard import ZeroModule, collective_failures_explained, run_agreeing
@@ -211,14 +211,14 @@ class DSCompileEngine(nn.Module, EngineCore):
                 return None, None
             tag = latest.read_text().strip()
         directory = resolve_checkpoint_dir(load_dir, tag)  # says which tags exist when this one does not
-        from dscompile.runtime import zero_checkpoint
+        from dscompile.runtime import checkpoint_formats
 
-        kind = zero_checkpoint.checkpoint_kind(directory)
+        kind = checkpoint_formats.checkpoint_kind(directory)
         if isinstance(self.gradients, (TensorParallelGradients, TensorParallelOver)):  # cut to this rank's slices, whatever wrote it
             client = self.gradients.load_checkpoint(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
             return str(directory), client
         if getattr(self, "zero", None) is not None or kind != "dscompile-full":  # ZeRO, DeepSpeed's, TP slices joined, re-layout
-            return str(directory), zero_checkpoint.load_into(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            return str(directory), checkpoint_formats.load_into(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         client = self.gradients.load_checkpoint(self, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return str(directory), client
 

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy
 from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups, set_current_process_groups
-from dscompile.runtime.tensor_parallel import SliceSpec, TensorParallelGradients, TensorParallelOver
+from dscompile.runtime.tensor_parallel import SliceSpec
+from dscompile.runtime.tensor_parallel_gradients import TensorParallelGradients, TensorParallelOver
 
 
 def _ask(mpu: Any, *names: str) -> Any:

@@ -36,7 +36,6 @@ from dscompile.runtime.zero_checkpoint import (
     _restore_rng,
     full_state_of_stage0,
     full_state_of_zero,
-    read_full_state,
     restore_full_state,
     save,
     shard_name,
@@ -161,6 +160,8 @@ def _own_rng(reader: CheckpointReader, groups: ProcessGroups) -> dict | None:
 def load(
     engine: Any,
     directory: Any,
+    full: FullState,
+    kind: str,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     load_module_only: bool,
@@ -168,15 +169,13 @@ def load(
     specs: dict[str, SliceSpec],
     defer_optimizer: Callable[[FullState], None] | None,
 ) -> dict:
-    """Restore any checkpoint into a TP engine (split or not yet); returns the client state.
+    """Restore any checkpoint (``full``, read from ``directory``, of ``checkpoint_formats.checkpoint_kind``
+    ``kind``) into a TP engine (split or not yet); returns the client state.
 
     ``specs`` empty means the first batch has not split the model: the whole weights are loaded now and the
     optimizer states handed to ``defer_optimizer`` (restored by ``restore_optimizer`` once split).
     """
-    from dscompile.runtime.zero_checkpoint import checkpoint_kind
-
-    full = read_full_state(directory, engine)
-    if checkpoint_kind(directory) == "dscompile-tp":
+    if kind == "dscompile-tp":
         full = dataclasses.replace(full, rng=_own_rng(CheckpointReader(directory), groups))
     if specs:
         restore_full_state(engine, sliced_state(full, engine.module, specs, groups), load_optimizer_states, load_lr_scheduler_states, load_module_only)

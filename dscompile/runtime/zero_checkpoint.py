@@ -11,14 +11,12 @@ Files are written through ``checkpoint_io.CheckpointWriter`` (staging directory,
 manifest of sizes and checksums, ``latest`` last) and read through ``CheckpointReader``, which
 verifies each file first. Loading on the same world size copies each rank's own file back
 (bit-exact continuation). On another world size every rank rebuilds the full flat parameters
-and optimizer states from all shard files and cuts its new shard. ``zero_to_fp32`` consolidates a checkpoint into a plain
-full ``state_dict``; ``main(argv)`` is the ``dscompile zero-to-fp32 CKPT OUT`` command.
+and optimizer states from all shard files and cuts its new shard (``FullState``, which every format's
+reader produces). Telling the formats apart and reading any of them is ``checkpoint_formats.py``'s job.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import logging
 import random
 from collections.abc import Sequence
@@ -29,17 +27,13 @@ from typing import Any
 import torch
 
 from dscompile.runtime.checkpoint_io import (
-    MANIFEST,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointReader,
     CheckpointWriter,
-    atomic_save,
-    read_latest,
 )
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
 from dscompile.runtime.sixteen_bit import master_state_dict, saved_module_state
-from dscompile.runtime.tensor_parallel import is_tensor_parallel_checkpoint
 
 log = logging.getLogger("dscompile.zero_checkpoint")
 
@@ -106,60 +100,7 @@ def save(engine: Any, ckpt: CheckpointWriter, client_state: dict | None, mp_rank
     )
 
 
-def checkpoint_kind(directory: Path) -> str:
-    """What wrote ``directory``: ``dscompile-zero``, ``dscompile-full`` (no ZeRO), ``dscompile-tp`` (tensor-parallel slices),
-    ``deepspeed``, ``pipeline``.
-
-    dscompile's own checkpoints carry ``manifest.json`` (``checkpoint_io``); DeepSpeed's do not.
-    """
-    from dscompile.runtime import deepspeed_checkpoint
-
-    if (directory / MANIFEST).is_file():
-        reader = CheckpointReader(directory)
-        if is_tensor_parallel_checkpoint(reader.names()):
-            return "dscompile-tp"
-        if reader.has(shard_name(0)):
-            return "dscompile-zero"
-        if reader.has(MODEL_STATES):
-            return "dscompile-full"
-        if any(name.startswith("pipe_stage_") for name in reader.names()):
-            return "pipeline"
-        raise CheckpointError(f"{directory} holds no model states file ({', '.join(reader.names()) or 'no files'})")
-    if deepspeed_checkpoint.is_deepspeed_checkpoint(directory):
-        return "deepspeed"
-    if (directory / MODEL_STATES).is_file() or (directory / shard_name(0)).is_file():
-        raise CheckpointCorruptError(
-            f"{directory} has no {MANIFEST}: its save_checkpoint never finished (a crash or kill while saving), "
-            "so it may be incomplete; load another tag"
-        )
-    present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    raise CheckpointError(f"{directory} is not a dscompile or DeepSpeed checkpoint (it holds: {', '.join(present[:8]) or 'nothing'})")
-
-
-def describe_checkpoint(directory: Path) -> str:
-    """What a checkpoint is, for error messages: who wrote it, at which ZeRO stage, on how many ranks."""
-    try:
-        kind = checkpoint_kind(directory)
-        if kind == "deepspeed":
-            from dscompile.runtime import deepspeed_checkpoint
-
-            return "a " + deepspeed_checkpoint.read_full_state(directory, optimizer=False).source
-        if kind == "dscompile-zero":
-            zero = _load_meta(CheckpointReader(directory))["zero"]
-            return f"a dscompile ZeRO-{zero['stage']} checkpoint saved by {zero['world_size']} rank(s)"
-        if kind == "dscompile-full":
-            state = CheckpointReader(directory).load(MODEL_STATES)
-            return f"a dscompile checkpoint saved without ZeRO by {state.get('world_size', 1)} rank(s)"
-        if kind == "dscompile-tp":
-            meta = CheckpointReader(directory).load(MODEL_STATES)
-            under = f" under ZeRO-{meta['zero']['stage']} over {meta['zero']['world_size']} rank(s)" if "zero" in meta else ""
-            return f"a dscompile tensor-parallel checkpoint (TP={meta['tensor_parallel']['tp_size']} slices{under})"
-        return "a PipelineEngine checkpoint"
-    except CheckpointError as exc:
-        return f"not a readable checkpoint ({exc})"
-
-
-def _load_meta(reader: CheckpointReader, mp_rank: int = 0) -> dict[str, Any]:
+def load_meta(reader: CheckpointReader, mp_rank: int = 0) -> dict[str, Any]:
     meta = reader.load(model_states_name(mp_rank))
     if "zero" not in meta:
         raise CheckpointError(f"{reader.directory} was saved without ZeRO (zero_optimization.stage 0): it holds no ZeRO shards")
@@ -256,7 +197,7 @@ def optimizer_param_names(engine: Any) -> list[str]:
 
 def full_state_of_zero(reader: CheckpointReader, mp_rank: int = 0) -> FullState:
     """A dscompile ZeRO checkpoint's full state (of one TP rank's slices under tensor parallelism)."""
-    meta = _load_meta(reader, mp_rank)
+    meta = load_meta(reader, mp_rank)
     files = _load_shard_files(reader, meta["zero"]["world_size"], mp_rank)
     states, groups = full_optimizer_states(meta, files)
     params = full_parameters(meta, files)
@@ -312,45 +253,12 @@ def full_state_of_stage0(reader: CheckpointReader, engine: Any | None, name: str
     )
 
 
-def read_full_state(directory: Path, engine: Any) -> FullState:
-    """Any checkpoint dscompile reads, with its partitioning undone (ZeRO shards and TP slices joined)."""
-    kind = checkpoint_kind(directory)
-    if kind == "pipeline":
-        raise CheckpointError(f"{directory} was saved by a PipelineEngine (pipe_stage_* files); load it with a 'pipeline' config")
-    if kind == "deepspeed":
-        from dscompile.runtime import deepspeed_checkpoint
-
-        return deepspeed_checkpoint.read_full_state(directory)
-    if kind == "dscompile-tp":
-        from dscompile.runtime import tensor_parallel_checkpoint
-
-        return tensor_parallel_checkpoint.full_state(CheckpointReader(directory), engine)
-    if kind == "dscompile-zero":
-        return full_state_of_zero(CheckpointReader(directory))
-    return full_state_of_stage0(CheckpointReader(directory), engine)
-
-
-def load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
-    """Restore any checkpoint dscompile reads into ``engine`` (ZeRO or not); returns the client state."""
-    zero = getattr(engine, "zero", None)
-    with zero.resident() if zero is not None else contextlib.nullcontext():  # offload_param: shards written back after
-        return _load_into(engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-
-
-def _load_into(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
-    if engine.zero is not None and checkpoint_kind(directory) == "dscompile-zero":
-        return load(engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-    full = read_full_state(directory, engine)
-    restore_full_state(engine, full, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-    return full.client_state
-
-
 def load(engine: Any, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> dict:
     """Restore a dscompile ZeRO checkpoint into a ZeRO engine: each rank's own file on the same world size
     (bit-exact continuation), through the full state otherwise."""
     zero = engine.zero
     reader = CheckpointReader(directory)
-    meta = _load_meta(reader)
+    meta = load_meta(reader)
     saved_world, saved_stage = meta["zero"]["world_size"], meta["zero"]["stage"]
     saved_names = [layout["name"] for layout in meta["zero"]["layouts"]]
     if saved_names != [layout.name for layout in zero.layouts]:
@@ -501,71 +409,3 @@ def _load_full_optimizer(engine: Any, full: FullState, shard_of: Any) -> None:
     elif saved_groups:
         log.warning("the %s groups its parameters differently from this engine's optimizer: kept this engine's hyper-parameters", full.source)
     engine.optimizer.load_state_dict({"state": new_state, "param_groups": groups})
-
-
-def zero_to_fp32(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The full fp32 ``state_dict`` of a ZeRO checkpoint (every rank's shards joined, tied names kept).
-
-    ``checkpoint_dir`` is the save directory (``latest`` or ``tag`` picks the checkpoint) or a tag
-    directory. DeepSpeed's ZeRO checkpoints are read too.
-    """
-    root = Path(checkpoint_dir)
-    if not root.exists():
-        raise CheckpointError(f"{root} does not exist")
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is a file; pass the checkpoint's directory")
-    directory = root
-    if not any((root / name).exists() for name in (MODEL_STATES, MANIFEST, shard_name(0), "zero_pp_rank_0_mp_rank_00_model_states.pt")):
-        chosen = tag if tag is not None else read_latest(root)
-        if chosen is None:
-            raise CheckpointError(
-                f"{root} is neither a checkpoint (no {MODEL_STATES}) nor a save directory with a 'latest' file; "
-                "pass the tag directory or --tag"
-            )
-        directory = root / str(chosen)
-        if not directory.is_dir():
-            raise CheckpointError(f"checkpoint {directory} does not exist")
-    kind = checkpoint_kind(directory)
-    if kind == "deepspeed":
-        from dscompile.runtime import deepspeed_checkpoint
-
-        full = deepspeed_checkpoint.read_full_state(directory, optimizer=False)
-    elif kind == "dscompile-zero":
-        full = full_state_of_zero(CheckpointReader(directory))
-    elif kind == "dscompile-tp":
-        from dscompile.runtime import tensor_parallel_checkpoint
-
-        full = tensor_parallel_checkpoint.full_state(CheckpointReader(directory), None)
-    elif kind == "dscompile-full":
-        raise CheckpointError(f"{directory} was saved without ZeRO: {MODEL_STATES} already holds the whole model under 'module'")
-    else:
-        raise CheckpointError(f"{directory} was saved by a PipelineEngine: its pipe_stage_*_model_states.pt files hold the weights by name")
-    state: dict[str, torch.Tensor] = dict(full.module_extra)
-    for name, value in full.params.items():
-        state[name] = value.float() if value.is_floating_point() else value
-    return state
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``dscompile zero-to-fp32 CKPT OUT [--tag TAG]``: write the consolidated fp32 state_dict to OUT."""
-    parser = argparse.ArgumentParser(
-        prog="dscompile zero-to-fp32", description="Consolidate a ZeRO checkpoint (dscompile's or DeepSpeed's) into one fp32 state_dict file."
-    )
-    parser.add_argument("checkpoint", help="the save directory (with 'latest') or one tag directory")
-    parser.add_argument("output", help="where to write the state_dict (torch.save)")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    state = zero_to_fp32(args.checkpoint, args.tag)
-    out = Path(args.output)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_save(state, out)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write {out}: {exc}") from None
-    numel = sum(v.numel() for v in {id(v): v for v in state.values()}.values())
-    print(f"wrote {len(state)} tensors ({numel:,} elements) to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""``deepspeed.utils.zero_to_fp32``: DeepSpeed's three functions over ``dscompile.runtime.zero_checkpoint.zero_to_fp32``
+"""``deepspeed.utils.zero_to_fp32``: DeepSpeed's three functions over ``dscompile.runtime.checkpoint_formats.zero_to_fp32``
 (which reads dscompile's and DeepSpeed's ZeRO checkpoints). Sharded or safetensors output and lazy loading are refused."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dscompile.errors import DSCompileNotSupportedError
-from dscompile.runtime.zero_checkpoint import zero_to_fp32
+from dscompile.runtime.checkpoint_formats import zero_to_fp32
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint"]
 
