@@ -40,8 +40,8 @@ RNG_ALLOWED: dict[tuple[str, str], str] = {
     ("dscompile/runtime/data_parallel.py", "load_checkpoint"): "restores the CPU state next to restore_rng(...) of the saved devices",
     ("dscompile/runtime/zero_checkpoint.py", "save"): "stores the CPU state next to capture_rng(...) of the shards' devices",
     ("dscompile/runtime/zero_checkpoint.py", "_restore_rng"): "restores the CPU state next to restore_rng(...) of the saved devices",
-    ("dscompile/runtime/tensor_parallel.py", "save_checkpoint"): "stores the CPU state next to capture_rng(...) of the parameters' devices",
-    ("dscompile/runtime/tensor_parallel.py", "load_checkpoint"): "restores the CPU state next to restore_rng(...) of the saved devices",
+    ("dscompile/runtime/tensor_parallel_gradients.py", "save_checkpoint"): "stores the CPU state next to capture_rng(...) of the parameters' devices",
+    ("dscompile/runtime/tensor_parallel_gradients.py", "load_checkpoint"): "restores the CPU state next to restore_rng(...) of the saved devices",
 }
 RNG_CALLS = {"fork_rng", "set_rng_state", "get_rng_state"}
 
