@@ -66,6 +66,9 @@ ZERO2_OPTIMIZER_SCHEDULER = {
     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
 }
 
+# DeepSpeedExamples' AutoTP Trainer example: its config with autotp_size 2 (its run.sh sets 4 or 8 for 4 or 8 GPUs)
+ZERO2_AUTOTP = {**ZERO2, "zero_optimization": {"stage": 2, "gather_16bit_weights_on_model_save": True}, "tensor_parallel": {"autotp_size": 2}}
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
@@ -89,7 +92,8 @@ class Runs:
 
     def __call__(self, framework: str, config: dict | None, *flags: str, world: int = WORLD) -> dict[str, Any]:
         """``framework``: 'hf' runs the script as written (with a config: transformers drives DeepSpeed), 'dscompile'
-        the swapped one. Returns what rank 0 wrote, with ``output_dir``."""
+        the swapped one. Returns what rank 0 wrote, with ``output_dir``. The per-rank batch keeps the global batch
+        of ``MICRO`` * ``WORLD`` per micro-step: the ranks of a tensor-parallel group read the same batch."""
         key = json.dumps([framework, config, flags, world], sort_keys=True)
         if key not in self.done:
             self.done[key] = self._run(framework, config, flags, world, f"run{len(self.done)}")
@@ -98,7 +102,9 @@ class Runs:
     def _run(self, framework: str, config: dict | None, flags: tuple[str, ...], world: int, tag: str) -> dict[str, Any]:
         folder = self.workdir / framework
         out, output_dir = folder / f"{tag}.json", folder / tag
-        cli = ["--out", str(out), "--output_dir", str(output_dir), "--batch", str(MICRO * WORLD // world), "--max_steps", str(STEPS), "--lr", str(LR), *flags]
+        data_parallel = world // int(((config or {}).get("tensor_parallel") or {}).get("autotp_size", 1))
+        batch = MICRO * WORLD // data_parallel
+        cli = ["--out", str(out), "--output_dir", str(output_dir), "--batch", str(batch), "--max_steps", str(STEPS), "--lr", str(LR), *flags]
         if config is not None:
             (folder / f"{tag}.ds_config.json").write_text(json.dumps(config))
             cli += ["--deepspeed", str(folder / f"{tag}.ds_config.json")]
@@ -200,6 +206,26 @@ def test_zero3_bf16_trains_like_the_plain_trainer_in_bf16(run: Runs) -> None:
     cosine = torch.nn.functional.cosine_similarity(moved, moved_reference, dim=0)
     ratio = moved.norm() / moved_reference.norm()
     assert cosine > 0.95 and 0.8 < ratio < 1.25, f"bf16 update: cosine {cosine:.3f} with the reference's, norm ratio {ratio:.3f}"
+
+
+def test_autotp_matches_the_plain_trainer(run: Runs) -> None:
+    """``tensor_parallel.autotp_size: 2`` (DeepSpeedExamples' ``training/tensor_parallel/hf_integration``) on two
+    ranks, ZeRO-2, a Llama: both ranks of the TP group read the same batches (the Trainer's data-parallel degree is
+    1), the transformers-filled ``train_batch_size`` counts the DP groups, and ``save_model`` writes the whole model
+    gathered from the TP shards; all as one process with the same global batches."""
+    got = run("dscompile", ZERO2_AUTOTP, "--model", "llama")
+    assert_matches_one_process(got, run("hf", None, "--model", "llama", world=1))
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed")
+def test_autotp_matches_deepspeed(run: Runs) -> None:
+    """The same AutoTP run against the unmodified script driving DeepSpeed's AutoTP through the Trainer."""
+    deepspeed = run("hf", ZERO2_AUTOTP, "--model", "llama")
+    got = run("dscompile", ZERO2_AUTOTP, "--model", "llama")
+    assert_series(got["losses"], deepspeed["losses"], "losses per step against DeepSpeed AutoTP")
+    assert_series(got["grad_norms"], deepspeed["grad_norms"], "gradient norms against DeepSpeed AutoTP")
+    assert_series([got["eval_after"]], [deepspeed["eval_after"]], "evaluation loss against DeepSpeed AutoTP")
+    assert_same_weights(got, deepspeed)
 
 
 def initial_weights() -> dict[str, torch.Tensor]:

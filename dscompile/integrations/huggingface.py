@@ -24,7 +24,9 @@ DeepSpeed mode hands over to DeepSpeed's engine:
   it logs is the engine's;
 - a checkpoint folder holds the engine's checkpoint (``global_stepN/``, ``latest``) beside the Trainer's files,
   and resuming loads it (weights, optimizer, scheduler, counters);
-- ``save_model`` gathers the full weights from the ZeRO shards on every rank and writes them with
+- under AutoTP (``tensor_parallel.autotp_size``) the ranks of a TP group read the same batches: accelerate's
+  data-loader sharding over a ``("dp_replicate", "tp")`` mesh, as accelerate does for DeepSpeed's AutoTP;
+- ``save_model`` gathers the full weights from the ZeRO (and TP) shards on every rank and writes them with
   ``save_pretrained`` on the main process (full precision: the master weights).
 
 The accelerator is the Trainer's own; two of its methods are replaced on that instance once the engine exists:
@@ -96,7 +98,14 @@ class TrainerDSConfig(HfDeepSpeedConfig):
                 "is 'auto' but no Trainer argument fills it",
                 "set a value (the Trainer fills batch sizes, accumulation, clipping, optimizer/scheduler params, fp16/bf16, bucket sizes)",
             )
-        return filled.config
+        config = filled.config
+        tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+        per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        if tp > 1 and config.get("train_batch_size") == per_rank * args.world_size:
+            # transformers counts every rank, as DeepSpeed's Trainer path does (its AutoTP engine gets no mpu, so its
+            # batch check uses the whole world); the TP ranks of a group read the same batch: count the DP groups
+            config["train_batch_size"] = per_rank * (args.world_size // tp)
+        return config
 
 
 def _auto_keys(node: Any, path: str = "") -> list[str]:
@@ -227,11 +236,37 @@ class Trainer(transformers.Trainer):
         config = self.ds_config.config
         for key, bad in (
             ("pipeline", "pipeline" in config),
-            ("tensor_parallel.autotp_size", int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1) > 1),
             ("sequence_parallel_size", int(config.get("sequence_parallel_size", 1) or 1) > 1),
         ):
             if bad:
                 raise DSCompileConfigError(key, "is not run through the Trainer yet", "train with dscompile.initialize directly, or drop the key")
+
+    # -- AutoTP: the ranks of a tensor-parallel group read the same batches ---------------------------------
+    @property
+    def autotp_size(self) -> int:
+        """``tensor_parallel.autotp_size`` of the ds_config (1 without one)."""
+        if self.ds_config is None:
+            return 1
+        return int((self.ds_config.config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+
+    def get_tp_size(self) -> int:
+        """The config's ``autotp_size``, as transformers reads it under DeepSpeed: the Trainer divides the world by it
+        for the data-parallel batch and for ``average_tokens_across_devices`` (TP ranks count the same tokens)."""
+        return self.autotp_size if self.autotp_size > 1 else super().get_tp_size()
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        tp = self.autotp_size
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world = self.accelerator.num_processes
+            if world % tp:
+                raise DSCompileConfigError("tensor_parallel.autotp_size", f"{tp} does not divide the {world} processes", "launch a multiple of it")
+            # accelerate shards the batches over a mesh's data-parallel dimension and repeats them over "tp", as it
+            # does for DeepSpeed's AutoTP; the (dp, tp) rank order is the engine's (TP groups of consecutive ranks)
+            mesh = init_device_mesh(self.accelerator.device.type, (world // tp, tp), mesh_dim_names=("dp_replicate", "tp"))
+            self.accelerator._prepare_device_mesh = lambda: mesh
 
     # -- the accelerator: no autocast, no DDP no_sync (the engine is neither accelerate's nor DDP) -----------
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
