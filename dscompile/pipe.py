@@ -17,12 +17,11 @@ into that engine's terms:
   the graph and sums their gradients over the stages that use them.
 
 Differences from DeepSpeed, by design: every rank builds every layer (DeepSpeed builds only its
-own), then the engine frees the other stages' parameters; ranks are laid out
-``rank = data_parallel_rank * stages + stage`` (DeepSpeed's default topology puts the data axis
-innermost); a ``PipeModelDataParallelTopology`` with ``num_mp`` > 1 turns on tensor parallelism inside the
-stages (``tensor_parallel.autotp_size``; TP innermost, as in DeepSpeed) where that layout is DeepSpeed's
-(``num_dp`` or ``num_pp`` 1); with ``seed_layers`` layers are built under DeepSpeed's seeds (``base_seed + index``)
-but the forward is not re-seeded per layer, so dropout masks differ from DeepSpeed's.
+own), then the engine frees the other stages' parameters. Ranks are laid out as DeepSpeed's topologies lay
+them out (pipe, data, model: ``dscompile.planner.ParallelLayout``); a ``PipeModelDataParallelTopology`` with
+``num_mp`` > 1 turns on tensor parallelism inside the stages (``tensor_parallel.autotp_size``); with
+``seed_layers`` layers are built under DeepSpeed's seeds (``base_seed + index``) but the forward is not re-seeded per
+layer, so dropout masks differ from DeepSpeed's.
 """
 
 from __future__ import annotations
