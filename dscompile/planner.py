@@ -421,7 +421,7 @@ class ParallelPlan:
     @property
     def data_parallel_size(self) -> int:
         """Replicas the batch is split over (sequence-parallel ranks share one replica's batch)."""
-        return self.layout.dp_size // self.sequence_parallel_size
+        return max(1, self.layout.dp_size // self.sequence_parallel_size)
 
     @property
     def zero_sharded(self) -> bool:
