@@ -115,6 +115,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         if loss is not None and loss.requires_grad:
             loss.float().sum().backward()
     _write_predicted_communication(model, config, args.world_size, out)
+    _write_parallel_plan(config, args.world_size, out)
     steps = _step_dirs(out, args.after)
     if not steps:
         raise CLIError(f"no graph was dumped after pass {args.after!r}; passes that ran: see {out}")
@@ -159,6 +160,18 @@ def _write_predicted_communication(model: Any, config: Any, world_size: int, out
     prediction = predict_step_bytes(numels, world_size, config)
     if prediction is not None:
         (out / "communication_predicted.json").write_text(json.dumps(prediction, indent=1))
+
+
+def _write_parallel_plan(config: Any, world_size: int, out: Path) -> None:
+    """``plan.txt``: the parallel plan an engine would decide for this config on ``world_size`` ranks (the engines write
+    their own when they run with ``dump``); a layout that cannot hold on that many ranks says why instead."""
+    from dscompile.errors import DSCompileError
+    from dscompile.planner import PLAN_FILE, plan_parallel, write_plan
+
+    try:
+        write_plan(plan_parallel(config, world_size), out)
+    except DSCompileError as exc:
+        (out / PLAN_FILE).write_text(f"no parallel plan on {world_size} ranks: {exc}\n(pass --world-size N for the ranks the config lays out)\n")
 
 
 def _describe_type(annotation: Any) -> str:
@@ -215,31 +228,31 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the offload plan the engine would make for this model and config, before anything runs."""
+    """Print the plan the engine would make for this model and config on ``--world`` ranks, before anything runs: the
+    parallel plan (layout, effective ZeRO stage, offload, prefetch, checkpointing) and, with offload, where each
+    model state lives."""
     import torch
 
     from dscompile.config import load_config
-    from dscompile.planner import non_shard_device_bytes, plan_optimizer_offload, plan_param_offload, zero_parameters
+    from dscompile.planner import non_shard_device_bytes, plan_optimizer_offload, plan_parallel, plan_param_offload, zero_parameters
     from dscompile.runtime.offload.optimizer import state_bytes_per_element
     from dscompile.runtime.optimizers import build_optimizer
 
-    model, _ = _call_factory(load_target(args.target), args.target)
-    config = load_config(args.config)
-    zc = config.sections.get("zero_optimization")
-    optimizer_offload = zc is not None and zc.stage > 0 and zc.offload_optimizer is not None and zc.offload_optimizer.enabled
-    param_offload = zc is not None and zc.offload_param is not None and zc.offload_param.enabled
-    if not optimizer_offload and not param_offload:
-        raise CLIError(
-            f"{args.config}: nothing to plan; set zero_optimization.stage (1-3) and zero_optimization.offload_optimizer.device "
-            "(cpu or nvme), or stage 3 and offload_param.device"
-        )
     if args.world < 1:
         raise CLIError(f"--world must be >= 1, got {args.world}")
+    model, _ = _call_factory(load_target(args.target), args.target)
+    config = load_config(args.config)
+    parallel = plan_parallel(config, args.world)
+    if parallel.offload_optimizer == "none" and parallel.offload_param == "none":
+        print(parallel.text())
+        return 0
+    zc = config.sections["zero_optimization"]
+    dp = parallel.layout.dp_size  # ZeRO partitions over the data-parallel group
     named = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise CLIError(f"{args.target}: the model has no trainable parameters")
     threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
-    params = zero_parameters(named, zc.stage, args.world, threshold, zc.stage3_model_persistence_threshold if zc.stage == 3 else None)
+    params = zero_parameters(named, zc.stage, dp, threshold, zc.stage3_model_persistence_threshold if zc.stage == 3 else None)
     if config.optimizer is not None:
         probe = torch.nn.Parameter(torch.zeros(1))
         per_element = state_bytes_per_element(build_optimizer(config.optimizer, [probe]))
@@ -248,11 +261,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("no optimizer section: planning for Adam's 8 bytes of state per element")
     host_is_device = not torch.cuda.is_available()
     plan = None
-    if optimizer_offload:
+    if parallel.offload_optimizer != "none":
         plan = plan_optimizer_offload(
             params,
             stage=zc.stage,
-            world=args.world,
+            world=dp,
             device=zc.offload_optimizer.device,
             state_bytes_per_element=per_element,
             ratio=float(zc.offload_optimizer.ratio),
@@ -261,16 +274,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             sub_group_size=zc.sub_group_size,
             buffer_count=zc.offload_optimizer.buffer_count,
         )
-    if param_offload:  # the engine's order: the optimizer's plan first, the shards then fill what is left under the limit
+    param_plan = None
+    if parallel.offload_param != "none":  # the engine's order: the optimizer's plan first, the shards then fill what is left under the limit
         op = zc.offload_param
         other = non_shard_device_bytes(params, 4, plan, per_element)
-        print(
-            plan_param_offload(
-                params, args.world, op.device, 4, op.buffer_count, op.buffer_size, op.max_in_cpu, int(zc.offload_memory_limit), other, host_is_device
-            ).table()
+        param_plan = plan_param_offload(
+            params, dp, op.device, 4, op.buffer_count, op.buffer_size, op.max_in_cpu, int(zc.offload_memory_limit), other, host_is_device
         )
-    if plan is not None:
-        print(plan.table())
+    print(parallel.with_placements(optimizer=plan, param=param_plan).text())
     return 0
 
 
@@ -343,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--format", choices=FORMATS, default="text")
     dump.add_argument("--after", metavar="PASS", help="show the graphs after this pass ('captured' for before the first)")
     dump.add_argument("--inference", action="store_true", help="run under torch.no_grad() (forward graph only)")
-    dump.add_argument("--world-size", type=int, default=2, help="ranks to predict a 1-bit optimizer's bytes per step for (default 2)")
+    dump.add_argument("--world-size", type=int, default=2, help="ranks to plan for: the parallel plan, a 1-bit optimizer's bytes per step (default 2)")
     dump.set_defaults(func=cmd_dump)
     passes = sub.add_parser("passes", help="list the registered passes with their options")
     passes.add_argument("--json", action="store_true")
@@ -357,10 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--config", required=True, help="a ds_config.json with a compression_training section")
     compress.add_argument("--save", metavar="FILE", help="write the cleaned model's state_dict here")
     compress.set_defaults(func=cmd_compress)
-    plan = sub.add_parser("plan", help="print where each model state would live (device, host, NVMe) under a config's offload settings")
+    plan = sub.add_parser(
+        "plan", help="print the parallel plan (layout, ZeRO stage, offload, prefetch, checkpointing) and where each model state would live"
+    )
     plan.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory returning (model, example_inputs)")
-    plan.add_argument("--config", required=True, help="a ds_config.json with zero_optimization.offload_optimizer and/or offload_param")
-    plan.add_argument("--world", type=int, default=1, help="data-parallel ranks to plan for (default 1)")
+    plan.add_argument("--config", required=True, help="a ds_config.json")
+    plan.add_argument("--world", type=int, default=1, help="ranks to plan for (the world size; default 1)")
     plan.set_defaults(func=cmd_plan)
     gen = sub.add_parser("generate", help="generate tokens with init_inference (static KV cache, compiled decode) and print tokens/s")
     gen.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory returning (a Hugging Face causal LM, (input_ids,))")

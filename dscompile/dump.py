@@ -22,6 +22,7 @@ import torch.fx
 
 from dscompile.cost import evaluate, format_size, graph_cost, nbytes
 from dscompile.graph import META_NAMESPACE, is_collective, node_value, op_name, tensor_values
+from dscompile.planner import PLAN_FILE
 
 _STAGE_COLOURS = ["#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc"]
 
@@ -272,6 +273,9 @@ def print_summaries(directory: str | Path) -> str:
             f"{s['graph']:28} {summary_file.parent.name:24} {s['nodes']:>6} {s['num_collectives']:>5} "
             f"{s['flops_estimate'] / 1e6:>11.3f} {s['peak_live_bytes'] / 1e6:>9.3f} {'' if seconds is None else f'{seconds:.4f}':>8}"
         )
+    plan = root / PLAN_FILE  # the parallel plan (``dscompile dump`` and engines run with ``dump`` write it)
+    if plan.is_file():
+        lines += ["== parallel plan ==", *plan.read_text().rstrip("\n").splitlines()]
     predicted = root / "communication_predicted.json"
     if predicted.is_file():
         lines += predicted_communication_lines(predicted)

@@ -17,12 +17,11 @@ into that engine's terms:
   the graph and sums their gradients over the stages that use them.
 
 Differences from DeepSpeed, by design: every rank builds every layer (DeepSpeed builds only its
-own), then the engine frees the other stages' parameters; ranks are laid out
-``rank = data_parallel_rank * stages + stage`` (DeepSpeed's default topology puts the data axis
-innermost); a ``PipeModelDataParallelTopology`` with ``num_mp`` > 1 turns on tensor parallelism inside the
-stages (``tensor_parallel.autotp_size``; TP innermost, as in DeepSpeed) where that layout is DeepSpeed's
-(``num_dp`` or ``num_pp`` 1); with ``seed_layers`` layers are built under DeepSpeed's seeds (``base_seed + index``)
-but the forward is not re-seeded per layer, so dropout masks differ from DeepSpeed's.
+own), then the engine frees the other stages' parameters. Ranks are laid out as DeepSpeed's topologies lay
+them out (pipe, data, model: ``dscompile.planner.ParallelLayout``); a ``PipeModelDataParallelTopology`` with
+``num_mp`` > 1 turns on tensor parallelism inside the stages (``tensor_parallel.autotp_size``); with
+``seed_layers`` layers are built under DeepSpeed's seeds (``base_seed + index``) but the forward is not re-seeded per
+layer, so dropout masks differ from DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -113,18 +112,11 @@ class PipeDataParallelTopology(ProcessTopology):
 
 class PipeModelDataParallelTopology(ProcessTopology):
     """Megatron-DeepSpeed's 3D grid. ``num_mp`` > 1 runs dscompile's tensor parallelism found from the graph inside
-    every stage (as ``tensor_parallel.autotp_size = num_mp``). Both lay the model axis innermost, so the TP groups are
-    the same consecutive ranks; DeepSpeed then puts ``data`` inside ``pipe`` where the pipeline engine puts the stages
-    inside the data-parallel replicas, which changes which ranks form a pipeline once both are above 1: refused."""
+    every stage (as ``tensor_parallel.autotp_size = num_mp``). The pipeline engine lays ranks out in the same order
+    (pipe, data, model: ``dscompile.planner.ParallelLayout``), so its pipelines, data-parallel and TP groups hold the
+    same ranks as DeepSpeed's."""
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int) -> None:
-        if num_mp > 1 and num_pp > 1 and num_dp > 1:
-            raise DSCompileNotSupportedError(
-                f"PipeModelDataParallelTopology(num_pp={num_pp}, num_mp={num_mp}, num_dp={num_dp})",
-                "DeepSpeed's rank order (pipe, data, model) with both num_pp and num_dp above 1: dscompile's pipeline engine "
-                "lays out (data, pipe, model), so its pipelines and data-parallel groups would hold other ranks than DeepSpeed's; "
-                "use num_dp=1 (or num_pp=1), or PipelineModule(num_stages=...) with tensor_parallel.autotp_size and the engine's layout",
-            )
         super().__init__(["pipe", "data", "model"], [num_pp, num_dp, num_mp])
 
 

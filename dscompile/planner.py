@@ -1,4 +1,11 @@
-"""The placement planner: where each rank's model states live (device, host or NVMe), decided before the first step.
+"""The planner: the one plan (DESIGN.md) of the parallel layout and of where each rank's model states live.
+
+``plan_parallel`` decides, from the config and the world size before compiling, the ``ParallelPlan`` every engine
+holds (``engine.plan``): the one rank layout (``ParallelLayout``: pipeline stages outermost, tensor parallelism
+innermost, DeepSpeed's order), the effective ZeRO stage and who carries it out, what is offloaded, whether ZeRO-3
+prefetches and reductions overlap, and the activation-checkpointing policy. ``dscompile plan`` and the dump print it.
+
+The placement part below decides where model states live (device, host or NVMe) before the first step.
 
 Today it places ZeRO's optimizer states (``zero_optimization.offload_optimizer``). From the ZeRO
 layout (each parameter's elements, its shard, whether a full copy is kept) it predicts every rank's
@@ -28,7 +35,12 @@ What it does not model yet: activations and temporary buffers (the cost model's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dscompile.errors import DSCompileConfigError
 
 FP32 = 4
 
@@ -37,6 +49,53 @@ TILE_MIN_ELEMENTS = 1 << 20
 TILE_MAX_ELEMENTS = 1 << 24
 TILE_BUFFER_SHARE = 8
 """Planned tiles keep the ``buffer_count`` buffers alive during the step under 1/8 of the offloaded states."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The one rank layout: sizes and each rank's coordinates; pure arithmetic, no process groups.
+
+    Global rank ``r`` sits at ``(pp, dp, tp)`` with ``r = (pp * dp_size + dp) * tp_size + tp``, DeepSpeed's
+    ``PipeModelDataParallelTopology`` order (axes pipe, data, model): the ranks of one tensor-parallel group are
+    consecutive (on one node, where bandwidth is highest), a data-parallel group joins the ranks holding the same
+    slices of the same stage, and pipeline stages are the outermost stride. Process groups
+    (``runtime/process_groups.py``) and the pipeline engine read ranks from here only.
+    """
+
+    world_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.pp_size < 1 or self.world_size % (self.tp_size * self.pp_size) != 0:
+            raise DSCompileConfigError(
+                "tensor_parallel.autotp_size",
+                f"the world size {self.world_size} is not a multiple of tensor-parallel size {self.tp_size} × pipeline stages {self.pp_size}",
+                "choose sizes whose product divides the number of ranks",
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp_size * self.pp_size)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(pp, dp, tp)`` of global ``rank``."""
+        tp = rank % self.tp_size
+        dp = (rank // self.tp_size) % self.dp_size
+        pp = rank // (self.tp_size * self.dp_size)
+        return pp, dp, tp
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp_size + dp) * self.tp_size + tp
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(pp, dp, t) for t in range(self.tp_size)] for pp in range(self.pp_size) for dp in range(self.dp_size)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(pp, d, tp) for d in range(self.dp_size)] for pp in range(self.pp_size) for tp in range(self.tp_size)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(p, dp, tp) for p in range(self.pp_size)] for dp in range(self.dp_size) for tp in range(self.tp_size)]
 
 
 def nvme_tile_elements(offloaded_elements: int, buffer_count: int, sub_group_size: int | None) -> int:
@@ -328,3 +387,131 @@ def plan_param_offload(
         behind += 1
     plan.write_behind = max(1, behind)
     return plan
+
+
+# -- the parallel plan ---------------------------------------------------------------------------
+ZERO_BY_PARTITION = "zero_partition"
+ZERO_BY_PIPELINE = "pipeline_gradients"
+ZERO_OFF = "none"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The one plan (DESIGN.md): decided once from the config and the world size before compiling, read by the engines
+    (``engine.plan``), ``zero_optimization_stage()``, ``dscompile plan`` and the dump.
+
+    ``zero_stage`` is the ZeRO stage in effect and ``zero_by`` who carries it out: the ZeRO partition
+    (``runtime/zero_shard.py``, ``engine.zero``), the pipeline engine's gradient strategy (ZeRO-1 across the
+    replicas of each stage, ``runtime/pipeline_gradients.py``; ``engine.zero`` stays None), or nobody (stage 0).
+    The offload plans are the engine's once its ZeRO extension placed the states (``with_placements``).
+    """
+
+    layout: ParallelLayout
+    zero_stage: int = 0
+    zero_by: str = ZERO_OFF
+    sequence_parallel_size: int = 1
+    offload_optimizer: str = "none"  # the device optimizer states go to: none, cpu, nvme
+    offload_param: str = "none"  # the device ZeRO-3 parameter shards go to: none, cpu, nvme
+    overlap_comm: bool = False  # gradient reduce-scatters overlap backward (passes/zero_overlap.py)
+    prefetch_bucket_size: int = 0  # ZeRO-3 all-gathers issued ahead of their use (passes/zero_prefetch.py); 0: none
+    checkpointing: str = "none"  # activation_checkpointing's policy (and memory budget), or the pipeline's interval
+    optimizer_offload: OffloadPlan | None = None
+    param_offload: ParamPlan | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas the batch is split over (sequence-parallel ranks share one replica's batch)."""
+        return max(1, self.layout.dp_size // self.sequence_parallel_size)
+
+    @property
+    def zero_sharded(self) -> bool:
+        """True when model states are actually partitioned (a ZeRO stage and more than one replica to share them)."""
+        return self.zero_stage > 0 and self.layout.dp_size > 1
+
+    def with_placements(self, optimizer: OffloadPlan | None = None, param: ParamPlan | None = None) -> ParallelPlan:
+        """This plan with the offload plans the ZeRO extension made from the partition (the ones already set kept)."""
+        return replace(self, optimizer_offload=optimizer or self.optimizer_offload, param_offload=param or self.param_offload)
+
+    def text(self) -> str:
+        lay = self.layout
+        who = {
+            ZERO_BY_PARTITION: "the ZeRO partition (engine.zero)",
+            ZERO_BY_PIPELINE: "the pipeline's gradient strategy (optimizer states sharded across each stage's replicas)",
+            ZERO_OFF: "nobody",
+        }[self.zero_by]
+        lines = [
+            f"parallel plan: world {lay.world_size} = pipeline {lay.pp_size} × data {lay.dp_size} × tensor {lay.tp_size}"
+            + (f" (sequence parallel {self.sequence_parallel_size} inside the data axis: {self.data_parallel_size} batch replicas)"
+               if self.sequence_parallel_size > 1 else ""),
+            "rank order: rank = (stage * data + replica) * tensor + tensor_rank (DeepSpeed's pipe, data, model)",
+            f"ZeRO stage {self.zero_stage}, carried out by {who}" + ("" if self.zero_sharded or not self.zero_stage else "; one replica: nothing to shard"),
+            f"offload: optimizer states {self.offload_optimizer}, parameters {self.offload_param}",
+            f"prefetch: {f'ZeRO-3 all-gathers up to {self.prefetch_bucket_size} elements ahead' if self.prefetch_bucket_size else 'none'}; "
+            f"overlap_comm {'on' if self.overlap_comm else 'off'}",
+            f"activation checkpointing: {self.checkpointing}",
+        ]
+        if lay.world_size > 1:
+            groups = [("tensor", lay.tp_groups()), ("data", lay.dp_groups()), ("pipeline", lay.pp_groups())]
+            lines += [f"{kind} groups: {ranks}" for kind, ranks in groups if len(ranks[0]) > 1]
+        for plan in (self.param_offload, self.optimizer_offload):
+            if plan is not None:
+                lines.append(plan.table())
+        return "\n".join(lines)
+
+
+def plan_parallel(config: Any, world_size: int, tp_size: int | None = None) -> ParallelPlan:
+    """The parallel plan of ``config`` (a loaded ``DSConfig``) on ``world_size`` ranks.
+
+    ``tp_size``: the tensor-parallel size when a script's model-parallel unit gives it (else the config's
+    ``tensor_parallel.autotp_size``). Raises where the layout cannot hold (sizes that do not divide the world,
+    ZeRO-2/3 with pipeline stages).
+    """
+    sections = config.sections
+    tc = sections.get("tensor_parallel")
+    if tp_size is None:
+        tp_size = tc.autotp_size if tc is not None and tc.enabled else 1
+    pipe = sections.get("pipeline_parallel")
+    layout = ParallelLayout(world_size, tp_size, pipe.stages if pipe is not None else 1)
+    sp = int(sections.get("sequence_parallel_size") or 1)
+    zc = sections.get("zero_optimization")
+    stage = int(zc.stage) if zc is not None else 0
+    if pipe is not None and stage > 1:
+        raise DSCompileConfigError(
+            "zero_optimization.stage",
+            f"ZeRO stage {stage} cannot be combined with pipeline parallelism (each rank already holds only its stage's "
+            "parameters and gradients)",
+            "use stage 1 (optimizer states partitioned across the data-parallel replicas) or 0, as DeepSpeed requires",
+        )
+    zero_by = ZERO_OFF if stage == 0 else ZERO_BY_PIPELINE if pipe is not None else ZERO_BY_PARTITION
+    oc = zc.offload_optimizer if zc is not None and stage > 0 else None
+    op = zc.offload_param if zc is not None and stage == 3 else None
+    ac = sections.get("activation_checkpointing")
+    if ac is not None:
+        checkpointing = f"policy {ac.policy}" + (f", memory budget {ac.memory_budget}" if ac.memory_budget is not None else "")
+    elif pipe is not None and pipe.activation_checkpoint_interval:
+        checkpointing = f"pipeline stages recompute every {pipe.activation_checkpoint_interval} layer(s) in backward"
+    else:
+        checkpointing = "none"
+    return ParallelPlan(
+        layout=layout,
+        zero_stage=stage,
+        zero_by=zero_by,
+        sequence_parallel_size=sp,
+        offload_optimizer=oc.device if oc is not None and oc.enabled else "none",
+        offload_param=op.device if op is not None and op.enabled else "none",
+        overlap_comm=bool(zc.overlap_comm) if zero_by == ZERO_BY_PARTITION and stage >= 2 else False,
+        prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size) if zero_by == ZERO_BY_PARTITION and stage == 3 else 0,
+        checkpointing=checkpointing,
+    )
+
+
+PLAN_FILE = "plan.txt"
+
+
+def write_plan(plan: ParallelPlan, dump_dir: str | os.PathLike[str]) -> Path:
+    """``DUMP/plan.txt``: the plan beside the dumped graphs (``print_summaries`` shows it)."""
+    root = Path(dump_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / PLAN_FILE
+    path.write_text(plan.text() + "\n")
+    return path

@@ -218,6 +218,7 @@ class OptimizerOffload(EngineExtension):
             sub_group_size=self.zc.sub_group_size,
             buffer_count=oc.buffer_count,
         )
+        engine.plan = engine.plan.with_placements(optimizer=self.plan)  # the one plan references it
         if zero.rank == 0:
             log.info("%s", self.plan.table())
             if engine.config.dump:  # beside the graphs: DUMP/offload_plan.txt
@@ -427,6 +428,7 @@ class ParamOffload(EngineExtension):
             other_device_bytes=self._other_device_bytes(engine, planned, zero.shards[0].element_size()),
             host_is_device=all(s.device.type == "cpu" for s in zero.shards),
         )
+        engine.plan = engine.plan.with_placements(param=self.plan)  # the one plan references it
         if zero.rank == 0:
             log.info("%s", self.plan.table())
             if engine.config.dump:

@@ -61,9 +61,7 @@ def _train(rank: int, name: str, cfg: dict, m: int, steps: int, overrides: dict)
 
     case = build(name, **overrides)
     engine = PipelineEngine(case.model, cfg)
-    stages = cfg["pipeline"]["stages"]
-    world = torch.distributed.get_world_size()
-    data = iter(_data(case, steps, m, rank // stages, world // stages))
+    data = iter(_data(case, steps, m, engine.dp_id, engine.dp_size))
     losses = [float(engine.train_batch(data)) for _ in range(steps)]
     return {
         "losses": losses,
@@ -82,8 +80,8 @@ def _checkpoint_roundtrip(rank: int, tmp: str, m: int, zero_stage: int = 0) -> d
     if zero_stage:
         cfg["zero_optimization"] = {"stage": zero_stage}
     case = build("gpt", n_layers=2)
-    data = _data(case, 3, m, rank // 2, torch.distributed.get_world_size() // 2)
     engine = PipelineEngine(case.model, cfg)
+    data = _data(case, 3, m, engine.dp_id, engine.dp_size)
     it = iter(data)
     for _ in range(2):
         engine.train_batch(it)
@@ -243,7 +241,9 @@ def test_four_ranks_layouts_equal_single_process_and_idle_time(tmp_path):
         _assert_matches(res["pp4_1f1b_gpt"], gpt_losses, gpt_params, f"pp4 rank{rank}")
         _assert_matches(res["pp2dp2_gpipe_gpt_ckpt"], dp_losses, dp_params, f"pp2xdp2 rank{rank}")
         _assert_matches(res["pp4_interleaved_llama"], llama_losses, llama_params, f"interleaved pp4 rank{rank}")
-        assert res["pp2dp2_gpipe_gpt_ckpt"]["order"] == [str(a) for a in build_schedule("gpipe", rank % 2, 2, 2)]
+        # DeepSpeed's rank order (pipe, data): ranks 0 and 1 hold stage 0 (replicas 0 and 1), ranks 2 and 3 stage 1.
+        # Before the one rank layout this test fed and checked data-parallel outermost (stage = rank % 2).
+        assert res["pp2dp2_gpipe_gpt_ckpt"]["order"] == [str(a) for a in build_schedule("gpipe", rank // 2, 2, 2)]
     for schedule in ("gpipe", "1f1b"):
         begin = min(res[("idle", schedule)][0][1] for res in results)
         finish = max(res[("idle", schedule)][0][2] for res in results)

@@ -233,13 +233,13 @@ def test_tp_pipeline_checkpoints_across_tp_sizes_bf16_and_deepspeed_topology(tmp
 
 
 def test_model_parallel_topology_refusals() -> None:
-    """Which ranks form a pipeline would differ from DeepSpeed's: refused; a contradicting autotp_size names both."""
+    """A contradicting autotp_size names both. (num_pp, num_mp and num_dp all above 1 was refused while the pipeline
+    engine laid data-parallel replicas outermost; the one rank layout is DeepSpeed's, ``tests/test_parallel_plan.py``.)"""
     from dscompile.config import load_config
-    from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+    from dscompile.errors import DSCompileConfigError
     from dscompile.pipe import PipelineModule, PipeModelDataParallelTopology
 
-    with pytest.raises(DSCompileNotSupportedError, match=r"num_pp=2, num_mp=2, num_dp=2.*\(pipe, data, model\)"):
-        PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2).world_size() == 8
     net = PipelineModule(_layers(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1), loss_fn=_mse)
     with pytest.raises(DSCompileConfigError, match=r"tensor_parallel.autotp_size.*4 in the config.*num_mp=2"):
         net.configure_pipeline(load_config({"tensor_parallel": {"autotp_size": 4}, "pipeline": {"stages": 2}}))

@@ -582,9 +582,12 @@ def test_cli_plan_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert " nvme " not in out and "optimizer states offloaded 0.00 MiB" in out
+    # Without offload the parallel plan alone (this printed "nothing to plan" before the one plan, issue 34)
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config)]) == 2
-    assert "nothing to plan" in capsys.readouterr().err
+    assert main(["plan", "dscompile.zoo.targets:mlp", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 2, carried out by the ZeRO partition" in out and "offload: optimizer states none, parameters none" in out
+    assert "offload plan" not in out
 
 
 # -- the optimizer alone -------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@
 batch[-1])``). On the first batch (or at construction with ``example_batch=``) the model is
 captured whole by Dynamo, partitioned (``passes/pipeline_split.py``) and cut into stages; each
 rank keeps only its stages (their parameters; the others are freed), compiles them with the
-dscompile backend and runs its schedule. Ranks are laid out ``rank = data_parallel_rank * stages
-+ stage``; gradients are averaged over the data-parallel group and summed over the ranks that
+dscompile backend and runs its schedule. Ranks are laid out as DeepSpeed's pipeline topology lays them
+out (``dscompile.planner.ParallelLayout``: ``rank = stage * data_parallel_size + data_parallel_rank``
+without tensor parallelism, whose ranks are innermost); gradients are averaged over the data-parallel group and summed over the ranks that
 share a tied parameter. With ``zero_optimization.stage`` 1 the optimizer states of each stage are
 partitioned across its data-parallel replicas (each steps its share, then broadcasts it), as
 DeepSpeed's ZeRO-1 does across pipelines; stages 2 and 3 are refused, as in DeepSpeed.
@@ -47,6 +48,7 @@ from torch import nn
 
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.planner import plan_parallel
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
@@ -213,15 +215,6 @@ class PipelineEngine(EngineCore):
         pcfg = self.config.sections.get("pipeline_parallel")
         if pcfg is None:
             raise DSCompileConfigError("pipeline", "PipelineEngine needs a 'pipeline' section", 'add "pipeline": {"stages": N}')
-        zero = self.config.sections.get("zero_optimization")
-        self.zero_stage = zero.stage if zero is not None else 0
-        if self.zero_stage > 1:
-            raise DSCompileConfigError(
-                "zero_optimization.stage",
-                f"ZeRO stage {self.zero_stage} cannot be combined with pipeline parallelism (each rank already holds only its stage's "
-                "parameters and gradients)",
-                "use stage 1 (optimizer states partitioned across the data-parallel replicas) or 0, as DeepSpeed requires",
-            )
         self.pcfg = pcfg
         self.world_size, self.global_rank = world_info()
         self.num_stages = pcfg.stages
@@ -230,12 +223,13 @@ class PipelineEngine(EngineCore):
         self.tp_size = tc.autotp_size if self.tensor_parallel is not None else 1
         refuse_sequence_parallel(self.tensor_parallel)
         check_pipeline_world(self.world_size, self.num_stages, self.tp_size)
-        # TP innermost (its ranks consecutive), then stages, then data-parallel replicas
-        pipe_rank = self.global_rank // self.tp_size
-        self.tp_rank = self.global_rank % self.tp_size
-        self.dp_size = self.world_size // (self.num_stages * self.tp_size)
-        self.stage_id = pipe_rank % self.num_stages
-        self.dp_id = pipe_rank // self.num_stages
+        # the one plan: its rank layout (TP innermost, its ranks consecutive, then data-parallel replicas, then stages)
+        # and the ZeRO stage (stages 2 and 3 refused, as DeepSpeed does; stage 1 is the gradient strategy's)
+        plan = plan_parallel(self.config, self.world_size, self.tp_size)
+        self.zero_stage = plan.zero_stage
+        self.layout = plan.layout
+        self.stage_id, self.dp_id, self.tp_rank = self.layout.coordinates(self.global_rank)
+        self.dp_size = self.layout.dp_size
         self.chunks = pcfg.virtual_stages or 1
         gas = self.config.gradient_accumulation_steps
         if pcfg.micro_batches is not None and gas not in (None, 1, pcfg.micro_batches):
@@ -249,7 +243,7 @@ class PipelineEngine(EngineCore):
         self.root: nn.Module = _WithLoss(model, loss_fn) if loss_fn is not None else model
         self._strip = "model." if loss_fn is not None else ""
         params_or_error(model, needs_training=True)
-        self.init_core(self.config, optimizer, lr_scheduler)
+        self.init_core(self.config, optimizer, lr_scheduler, plan)
         self.program: Any = None
         self.facts: Any = None
         self.last_timeline: Timeline | None = None
@@ -265,16 +259,7 @@ class PipelineEngine(EngineCore):
         # engine's ``process_groups`` (which the engine core and ZeRO read for the data-parallel group).
         self.tp_groups: ProcessGroups | None = build_process_groups(self.tp_size) if self.tp_size > 1 else None
         self.tensor_parallel_plan: Any = None
-        self.gradients: PipelineGradients = PipelineGradients(
-            stage_id=self.stage_id,
-            num_stages=self.num_stages,
-            dp_id=self.dp_id,
-            dp_size=self.dp_size,
-            global_rank=self.global_rank,
-            world_size=self.world_size,
-            zero_stage=self.zero_stage,
-            tp_size=self.tp_size,
-        )
+        self.gradients: PipelineGradients = PipelineGradients(layout=self.layout, global_rank=self.global_rank, zero_stage=self.zero_stage)
         self.configure_extensions(self._stage_config())  # ZeRO-1 across pipelines is the strategy's, not the ZeRO extension's
         if example_batch is not None:
             self._build(example_batch)
@@ -282,7 +267,7 @@ class PipelineEngine(EngineCore):
     # -- layout --------------------------------------------------------------------------------
     def rank_of_stage(self, stage: int) -> int:
         """Global rank holding model stage ``stage`` in this rank's pipeline (at this rank's TP rank)."""
-        return self.gradients.rank_of(self.dp_id, stage % self.num_stages)
+        return self.layout.rank_of(stage % self.num_stages, self.dp_id, self.tp_rank)
 
     @property
     def local_stages(self) -> list[int]:

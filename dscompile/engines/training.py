@@ -28,6 +28,7 @@ from dscompile.arguments import config_source
 from dscompile.autotp import merge_autotp_intent
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
+from dscompile.planner import ParallelLayout, plan_parallel
 from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
@@ -39,12 +40,13 @@ from dscompile.runtime.engine_core import (
     _agree_any,
     params_or_error,
     register_engine_extension,
+    world_info,
     wrapped_module_attribute,
 )
 from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
 from dscompile.runtime.process_exit import init_process_group
-from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups
+from dscompile.runtime.process_groups import ProcessGroups
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.tensor_parallel_gradients import TensorParallelGradients, TensorParallelOver
 from dscompile.runtime.zero_extension import shard_optimizer
@@ -98,7 +100,9 @@ class DSCompileEngine(nn.Module, EngineCore):
             )
         params_or_error(model, needs_training=optimizer is not None)
         self.module = model
-        self.init_core(config, optimizer, lr_scheduler)
+        # a script's model-parallel unit gives the TP size; otherwise the plan reads it from the config
+        plan = plan_parallel(config, world_info()[0], model_parallel.tp_size) if model_parallel is not None else None
+        self.init_core(config, optimizer, lr_scheduler, plan)
         self.compiles_model = compile_model
         self.compile_target: nn.Module = model  # extensions may wrap it (ZeRO-2/3: a ZeroModule over the shards)
         if model_parallel is not None:
@@ -336,7 +340,9 @@ def initialize(
             f"{dp_size} contradicts the layout: {world_size} ranks / {per_replica} per replica = {world_size // per_replica}",
             "drop data_parallel_size or make it agree",
         )
-    world_size, rank = world_size // per_replica, rank // per_replica
+    # this rank's data-parallel replica in the one rank layout (pipeline stages outermost, TP and sequence ranks innermost)
+    rank = ParallelLayout(world_size, tp_size * sp_size, pipe.stages if pipe is not None else 1).coordinates(rank)[1]
+    world_size = world_size // per_replica
     cfg.resolve_batch_sizes(world_size)
     if pipe is not None or _zero_section(cfg) is None:
         materialize(model)  # built under zero.Init but trained without ZeRO: gather the full weights back

@@ -83,7 +83,7 @@ What every engine has from the core
 -----------------------------------
 ``config``, ``world_size``, ``global_rank`` (``rank``), ``local_rank``, ``device``, ``module``,
 ``optimizer``, ``lr_scheduler``, ``global_steps``, ``micro_steps``, ``skipped_steps``, ``gradients``,
-``extensions``, ``communication_data_type``, ``loss_scaler``; DeepSpeed's accessors with DeepSpeed's
+``extensions``, ``communication_data_type``, ``loss_scaler``, ``plan`` (the parallel plan); DeepSpeed's accessors with DeepSpeed's
 signatures (methods, not properties): ``fp16_enabled()``, ``bfloat16_enabled()``,
 ``gradient_accumulation_steps()``, ``train_micro_batch_size_per_gpu()``, ``train_batch_size()``,
 ``is_gradient_accumulation_boundary()``, ``get_lr()``, ``get_global_grad_norm()``,
@@ -107,6 +107,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
+from dscompile.planner import ParallelPlan, plan_parallel, write_plan
 from dscompile.runtime.checkpoint_io import check_tag_agreement
 from dscompile.runtime.comm_stats import CommStats, collecting
 from dscompile.runtime.devices import collective_device
@@ -195,9 +196,13 @@ class EngineCore:
     # True on the pipeline engine, whose stages the engine runs itself: what is not built for them refuses it
     runs_pipeline: ClassVar[bool] = False
 
-    def init_core(self, config: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
+    def init_core(self, config: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, plan: ParallelPlan | None = None) -> None:
+        """``plan``: the engine's parallel plan when it decided it already (the pipeline engine, for its layout);
+        otherwise it is decided here from ``config`` and the world size."""
         self.config = config
         self.world_size, self.global_rank = world_info()
+        # the one plan (DESIGN.md): layout, effective ZeRO stage and who carries it out, offload, prefetch, checkpointing
+        self.plan: ParallelPlan = plan if plan is not None else plan_parallel(config, self.world_size)
         self.zero: Any = None  # the ZeroPartition when ZeRO is on (set by its extension): read by checkpoints and tools
         # What extensions share, declared here so that none attaches attributes of its own:
         self.compiles_model = False  # the engine torch.compiles compile_target (TP/SP modules compile their own graph)
@@ -253,6 +258,8 @@ class EngineCore:
             self.lr_scheduler.optimizer = self.optimizer  # an extension moved the optimizer (ZeRO onto the shards)
         with contextlib.suppress(DSCompileConfigError):  # no batch size in the config: DeepSpeed's timer counts 1 per step
             self.tput_timer.batch_size = self.train_batch_size()
+        if self.global_rank == 0 and self.config.dump:  # DUMP/plan.txt, with the offload plans the extensions made
+            write_plan(self.plan, self.config.dump)
 
     def add_extension(self, extension: EngineExtension) -> EngineExtension:
         if self.extension(extension.name) is not None:
@@ -455,9 +462,9 @@ class EngineCore:
         return self._global_grad_norm
 
     def zero_optimization_stage(self) -> int:
-        """DeepSpeed's accessor: the ZeRO stage in use (0 when off)."""
-        section = self.config.sections.get("zero_optimization")
-        return int(section.stage) if section is not None else 0
+        """DeepSpeed's accessor: the ZeRO stage in use (0 when off), as the plan decided it (``plan.zero_by`` says who
+        carries it out: the ZeRO partition, or the pipeline engine's gradient strategy at stage 1)."""
+        return self.plan.zero_stage
 
     def wall_clock_breakdown(self) -> bool:
         """DeepSpeed's accessor: whether per-step timers are on (read them with ``step_timings()``)."""
@@ -547,7 +554,7 @@ class EngineCore:
         """
 
         section = self.config.sections.get("zero_optimization")
-        if section is not None and section.stage == 3 and not (
+        if self.plan.zero_stage == 3 and not (
             section.stage3_gather_16bit_weights_on_model_save or section.stage3_gather_fp16_weights_on_model_save
         ):
             log.warning(

@@ -1,7 +1,7 @@
 """The pipeline engine's gradient strategy: tied weights, replicas of a stage, ZeRO-1 across pipelines.
 
-Ranks are laid out ``rank = (data_parallel_rank * stages + stage) * tp + tp_rank`` (``tp`` = 1 without
-tensor parallelism, whose groups are the innermost ranks). At the accumulation boundary a
+Ranks are laid out by the one rank layout (``dscompile.planner.ParallelLayout``, DeepSpeed's order:
+``rank = (stage * dp + data_parallel_rank) * tp + tp_rank``, tensor parallelism innermost). At the accumulation boundary a
 parameter used by several stages (tied embeddings) has its gradients summed over the ranks that
 hold it, then every stage's gradients are averaged over its data-parallel replicas (in
 ``engine.communication_data_type`` when set). Clipping takes the norm of the whole model: every
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
+from dscompile.planner import ParallelLayout
 from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import EngineCore, GradientStrategy
@@ -31,23 +32,12 @@ class PipelineGradients(GradientStrategy):
 
     name = "pipeline"
 
-    def __init__(
-        self,
-        *,
-        stage_id: int,
-        num_stages: int,
-        dp_id: int,
-        dp_size: int,
-        global_rank: int,
-        world_size: int,
-        zero_stage: int,
-        tp_size: int = 1,
-    ) -> None:
-        self.stage_id, self.num_stages = stage_id, num_stages
-        self.dp_id, self.dp_size = dp_id, dp_size
-        self.global_rank, self.world_size = global_rank, world_size
+    def __init__(self, *, layout: ParallelLayout, global_rank: int, zero_stage: int) -> None:
+        self.layout = layout
+        self.stage_id, self.dp_id, self.tp_rank = layout.coordinates(global_rank)
+        self.num_stages, self.dp_size, self.tp_size = layout.pp_size, layout.dp_size, layout.tp_size
+        self.global_rank, self.world_size = global_rank, layout.world_size
         self.zero_stage = zero_stage
-        self.tp_size, self.tp_rank = tp_size, global_rank % tp_size
         self.tp_sliced: set[int] = set()  # ids of the parameters tensor parallelism split (the others are replicated)
         self.tp_replicas: dict[int, int] = {}  # ids of split parameters whose slice several TP ranks hold (KV heads) -> how many
         self.params: list[nn.Parameter] = []
@@ -55,16 +45,15 @@ class PipelineGradients(GradientStrategy):
         self.tied: list[tuple[list[nn.Parameter], Any]] = []
         self.owner: dict[int, int] = {}
         self.dp_group: Any = None
-        if dp_size > 1:  # every rank creates every group, in the same order
-            for s in range(num_stages):
-                for t in range(tp_size):
-                    group = dist.new_group([self.rank_of(d, s, t) for d in range(dp_size)])
-                    if (s, t) == (stage_id, self.tp_rank):
-                        self.dp_group = group
+        if self.dp_size > 1:  # every rank creates every group, in the same order
+            for ranks in layout.dp_groups():
+                group = dist.new_group(ranks)
+                if global_rank in ranks:
+                    self.dp_group = group
 
     def rank_of(self, dp: int, stage: int, tp: int | None = None) -> int:
         """Global rank of data-parallel replica ``dp``'s ``stage`` at tensor-parallel rank ``tp`` (default: this rank's)."""
-        return (dp * self.num_stages + stage) * self.tp_size + (self.tp_rank if tp is None else tp)
+        return self.layout.rank_of(stage, dp, self.tp_rank if tp is None else tp)
 
     @property
     def zero1_sharded(self) -> bool:

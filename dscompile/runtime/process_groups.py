@@ -1,9 +1,6 @@
-"""The TP × DP × PP process-group layout, as DeepSpeed and Megatron lay it out (TP innermost).
-
-Global rank ``r`` sits at ``(pp, dp, tp)`` with ``r = (pp * dp_size + dp) * tp_size + tp``: the ranks of
-one tensor-parallel group are consecutive (on one node, where bandwidth is highest), the data-parallel
-group joins the ranks holding the same slices, and pipeline stages are the outermost stride. Every
-rank creates every group (``dist.new_group`` is collective) in the same order.
+"""The TP × DP × PP process groups of the one rank layout (``dscompile.planner.ParallelLayout``: pipeline stages
+outermost, tensor parallelism innermost, as DeepSpeed and Megatron lay them out). Every rank creates every group
+(``dist.new_group`` is collective) in the same order.
 """
 
 from __future__ import annotations
@@ -13,47 +10,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dscompile.errors import DSCompileConfigError
+from dscompile.planner import ParallelLayout
 
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Sizes and this rank's coordinates; pure arithmetic, no process groups."""
-
-    world_size: int
-    tp_size: int = 1
-    pp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.pp_size < 1 or self.world_size % (self.tp_size * self.pp_size) != 0:
-            raise DSCompileConfigError(
-                "tensor_parallel.autotp_size",
-                f"the world size {self.world_size} is not a multiple of tensor-parallel size {self.tp_size} × pipeline stages {self.pp_size}",
-                "choose sizes whose product divides the number of ranks",
-            )
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.pp_size)
-
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(pp, dp, tp)`` of global ``rank``."""
-        tp = rank % self.tp_size
-        dp = (rank // self.tp_size) % self.dp_size
-        pp = rank // (self.tp_size * self.dp_size)
-        return pp, dp, tp
-
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp_size + dp) * self.tp_size + tp
-
-    def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(pp, dp, t) for t in range(self.tp_size)] for pp in range(self.pp_size) for dp in range(self.dp_size)]
-
-    def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(pp, d, tp) for d in range(self.dp_size)] for pp in range(self.pp_size) for tp in range(self.tp_size)]
-
-    def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, dp, tp) for p in range(self.pp_size)] for dp in range(self.dp_size) for tp in range(self.tp_size)]
+__all__ = ["ParallelLayout", "ProcessGroups", "build_process_groups", "current_process_groups", "process_groups_for", "set_current_process_groups"]
 
 
 @dataclass
