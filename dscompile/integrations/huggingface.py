@@ -99,13 +99,18 @@ class TrainerDSConfig(HfDeepSpeedConfig):
                 "set a value (the Trainer fills batch sizes, accumulation, clipping, optimizer/scheduler params, fp16/bf16, bucket sizes)",
             )
         config = filled.config
-        tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+        tp = autotp_size_of(config)
         per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
         if tp > 1 and config.get("train_batch_size") == per_rank * args.world_size:
             # transformers counts every rank, as DeepSpeed's Trainer path does (its AutoTP engine gets no mpu, so its
             # batch check uses the whole world); the TP ranks of a group read the same batch: count the DP groups
             config["train_batch_size"] = per_rank * (args.world_size // tp)
         return config
+
+
+def autotp_size_of(config: dict[str, Any]) -> int:
+    """``tensor_parallel.autotp_size`` of a ds_config dict (1 without one)."""
+    return int((config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
 
 
 def _auto_keys(node: Any, path: str = "") -> list[str]:
@@ -245,9 +250,7 @@ class Trainer(transformers.Trainer):
     @property
     def autotp_size(self) -> int:
         """``tensor_parallel.autotp_size`` of the ds_config (1 without one)."""
-        if self.ds_config is None:
-            return 1
-        return int((self.ds_config.config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+        return autotp_size_of(self.ds_config.config) if self.ds_config is not None else 1
 
     def get_tp_size(self) -> int:
         """The config's ``autotp_size``, as transformers reads it under DeepSpeed: the Trainer divides the world by it

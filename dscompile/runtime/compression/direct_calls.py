@@ -36,19 +36,12 @@ _ENTRIES_PER_ROUTE = 2
 """Dynamo cache entries one routed model may add (its train and eval graphs)."""
 
 
-def _holds_compressed_layer(module: nn.Module) -> bool:
-    return any(getattr(sub, "ds_compression", None) is not None for sub in module.modules())
-
-
 def _callable_parts(model: nn.Module) -> list[nn.Module]:
     """``model`` and every sub-module that holds a compressed layer and can be called (containers cannot)."""
-    parts = [model]
-    for _, module in model.named_modules(remove_duplicate=True):
-        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
-            continue
-        if _holds_compressed_layer(module):
-            parts.append(module)
-    return parts
+    compressed = [name for name, module in model.named_modules() if getattr(module, "ds_compression", None) is not None]
+    holders = {".".join(name.split(".")[:depth]) for name in compressed for depth in range(name.count(".") + 2)}
+    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    return [module for name, module in model.named_modules() if name in holders and (module is model or not isinstance(module, containers))]
 
 
 def _route_one(module: nn.Module, options: dict[str, Any]) -> None:
