@@ -60,6 +60,20 @@ def test_rank_environment_and_user_env() -> None:
         assert r["DSCOMPILE_SELFTEST"] == "yes" and r["OMP_NUM_THREADS"] == "1"
 
 
+def test_ranks_fork_from_the_preloaded_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forked ranks skip the per-rank imports; a variable set after the server started must still reach
+    the ranks (the run spawns instead), and the parent's sys.path must reach forked ranks."""
+    key = "DSCOMPILE_SELFTEST_LATE"
+    monkeypatch.delenv(key, raising=False)
+    run_distributed(_selftest.all_reduce_sum, 2, 1, timeout=120)  # starts the server with today's environment
+    forked = run_distributed(_selftest.report_start, 2, key, timeout=120)
+    assert all(r["parent"] != os.getpid() and r["value"] is None for r in forked), forked
+    assert [r["rank_env"] for r in forked] == ["0", "1"]
+    monkeypatch.setenv(key, "late")
+    spawned = run_distributed(_selftest.report_start, 2, key, timeout=120)
+    assert all(r["parent"] == os.getpid() and r["value"] == "late" for r in spawned), spawned
+
+
 def test_exception_on_rank_one_is_reported_with_traceback(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:

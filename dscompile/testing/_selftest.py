@@ -20,6 +20,11 @@ def report_env(rank: int, world_size: int, keys: list[str]) -> dict[str, str | N
     return {key: os.environ.get(key) for key in keys}
 
 
+def report_start(rank: int, world_size: int, key: str) -> dict[str, Any]:
+    """Who started this rank (the test process when spawned, the fork server when forked) and what it sees."""
+    return {"parent": os.getppid(), "value": os.environ.get(key), "rank_env": os.environ.get("RANK")}
+
+
 def _write_pid(pid_dir: str | None, rank: int) -> None:
     if pid_dir is not None:
         with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as handle:

@@ -16,7 +16,9 @@ Why it looks like this: a distributed test must never hang and must say which ra
 why. The parent hosts the rendezvous TCPStore (bound to a free port by the OS, so no port
 races, and it outlives any rank), watches every rank's result pipe and process sentinel, stops
 all ranks as soon as one fails, and kills everything at the deadline, reporting where the
-stuck ranks were (a faulthandler stack dump) before killing them.
+stuck ranks were (a faulthandler stack dump) before killing them. Ranks are forked from a server that
+imported torch, Inductor and dscompile once (a fresh interpreter per rank cost about 5 CPU-seconds of
+imports, and the suite starts hundreds of ranks); a run with its own `env` still spawns.
 """
 
 from __future__ import annotations
@@ -176,7 +178,6 @@ def run_distributed(
             "fn must be a module-level function in an importable module and args must be picklable"
         ) from exc
 
-    import multiprocessing as mp
 
     import torch.distributed as dist
 
@@ -184,7 +185,7 @@ def run_distributed(
         MASTER_ADDR, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout + 30)
     )
     coll_timeout = collective_timeout if collective_timeout is not None else timeout + 30.0
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context(env)
     procs: list[Any] = []
     conns: list[Connection] = []
     with tempfile.TemporaryDirectory(prefix="dscompile-dist-") as tmp:
@@ -204,7 +205,10 @@ def run_distributed(
                 }
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(rank, world_size, payload, store.port, backend, coll_timeout, writer, stack_files[rank], os.getpid()),
+                    args=(
+                        rank, world_size, payload, store.port, backend, coll_timeout, writer, stack_files[rank], os.getpid(),
+                        list(sys.path), {**os.environ, **rank_env},
+                    ),
                     name=f"dscompile-rank{rank}",
                     daemon=True,
                 )
@@ -247,6 +251,40 @@ def requires_backend(backend: str = "gloo") -> Any:
 
 
 # ----------------------------------------------------------------------------- parent side
+
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._inductor.compile_fx", "dscompile", "transformers")
+"""What the fork server imports once, so a rank starts as a fork instead of a fresh interpreter that
+imports torch, Inductor, dscompile and transformers again (about 5 CPU-seconds a rank; a missing
+package is skipped)."""
+_RANK_KEYS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+_forkserver_environ: dict[str, str] | None = None
+
+
+def _import_time_environ() -> dict[str, str]:
+    """The environment the ranks' imports could read; pytest rewrites PYTEST_CURRENT_TEST for every test."""
+    return {key: value for key, value in os.environ.items() if key not in _RANK_KEYS and key != "PYTEST_CURRENT_TEST"}
+
+
+def _rank_context(env: Mapping[str, str] | None) -> Any:
+    """Fork ranks from a server that has imported the heavy modules, unless the imports could differ.
+
+    Modules read some variables when they are imported (TRITON_INTERPRET, Inductor's config), so a run
+    with its own `env`, or after this process's environment changed since the server started, spawns
+    fresh interpreters instead. DSCOMPILE_RANK_START=spawn forces spawning."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    global _forkserver_environ
+    if env or os.environ.get("DSCOMPILE_RANK_START") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    current = _import_time_environ()
+    if _forkserver_environ is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        forkserver.ensure_running()
+        _forkserver_environ = current
+        return ctx
+    return mp.get_context("forkserver") if current == _forkserver_environ else mp.get_context("spawn")
 
 
 @contextlib.contextmanager
@@ -398,10 +436,18 @@ def _rank_main(
     conn: Connection,
     stack_file: str,
     parent_pid: int,
+    parent_path: list[str],
+    environ: dict[str, str],
 ) -> None:
-    """Entry point of one spawned rank: rendezvous, run fn, tear down, send the result."""
+    """Entry point of one rank: rendezvous, run fn, tear down, send the result.
+
+    A forked rank starts with the fork server's sys.path and environment, so both are set to the
+    parent's here before `fn` is unpickled (its module may only be importable from the parent's path)."""
     import faulthandler
 
+    sys.path[:] = parent_path
+    os.environ.clear()
+    os.environ.update(environ)
     _watch_parent(parent_pid)
     stack_handle = open(stack_file, "w")  # stays open: faulthandler writes to it
     if hasattr(signal, "SIGUSR1"):
@@ -463,13 +509,25 @@ def _to_cpu(value: Any) -> Any:
     return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exit if the parent disappears (killed test runner), so no rank is ever orphaned."""
+
+    first_parent = os.getppid()  # the test process when spawned, the fork server when forked
 
     def _dscompile_parent_watch() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent_pid:
+            if os.getppid() != first_parent or not _alive(parent_pid):
                 os._exit(70)
 
     threading.Thread(target=_dscompile_parent_watch, name="dscompile-parent-watch", daemon=True).start()
