@@ -50,6 +50,7 @@ from torch import nn
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
 from dscompile.frontend import capture
+from dscompile.graph import fill_capture_values
 from dscompile.pipeline import PassContext, PassInvocation, PassManager, invocation
 from dscompile.planner import plan_parallel
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
@@ -373,6 +374,7 @@ class PipelineEngine(EngineCore):
             from dscompile.dump import Dumper
 
             dumper = Dumper(config.dump)
+        fill_capture_values(gm)  # export's input-guard call (_guards_fn) and any stage marker: calls that return None
         PassManager([split], debug=config.debug, dumper=dumper).run(gm, ctx)
         return ctx.analysis
 
