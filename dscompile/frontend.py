@@ -155,6 +155,7 @@ class GraphCompiler:
 
         ctx = self.context("joint", joint_inputs, num_fwd_outputs=num_fwd_outputs)
         _annotate_parameters(joint, self.param_names)
+        fill_capture_values(joint)  # AOTAutograd traces calls that return nothing (a stage marker) without a value
         _progress(self.graph_name, "passes on the joint graph")
         joint = self.manager.run(joint, ctx)
         if self.lowering.prepare_joint is not None:
@@ -176,6 +177,7 @@ class GraphCompiler:
             ctx.graph_name = f"{self.graph_name}.inference"
         if kind == "forward":
             _annotate_parameters(gm, self.param_names)
+        fill_capture_values(gm)  # calls that return nothing (a stage marker) come without a value, as in the joint graph
         label = "inference" if inference else kind
         if inference and self.lowering.prepare_joint is not None:
             gm = self.lowering.prepare_joint(gm, example_inputs)  # no joint graph: the forward stands in for it

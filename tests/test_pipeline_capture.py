@@ -88,3 +88,20 @@ def test_export_guard_call_gets_a_none_value():
     assert guards[0].meta["val"] is None
     lint_graph(gm, "check")
 
+
+def test_marked_model_compiles_outside_the_pipeline():
+    """``pipeline_split()`` is a no-op when not pipelining: a marked model compiles with the backend (default lowering,
+    the passes' lint on every graph) to eager's loss and gradients; AOTAutograd traces the marker without a value too."""
+    torch.manual_seed(0)
+    model = _Marked()
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    expected = model(*batch)
+    expected.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="dscompile", options={"debug": True})(*batch)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
