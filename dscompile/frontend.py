@@ -22,7 +22,16 @@ import torch.fx
 
 from dscompile.config import DSConfig, load_config
 from dscompile.graph import fill_capture_values, fill_rng_wrapper_values, runtime_inputs, unlift_runtime_inputs
-from dscompile.pipeline import PassContext, PassInvocation, PassManager, PassRecord, get_pass, pipeline_from_config, pipeline_lowering
+from dscompile.pipeline import (
+    PassContext,
+    PassInvocation,
+    PassManager,
+    PassRecord,
+    get_pass,
+    invocation,
+    pipeline_from_config,
+    pipeline_lowering,
+)
 from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
 log = logging.getLogger("dscompile.frontend")
@@ -75,7 +84,9 @@ def lowering_reason(requested: str | None, resolved: str) -> str:
 class GraphCompiler:
     """Compiles one Dynamo graph; holds the state its joint/forward/backward graphs share."""
 
-    def __init__(self, config: DSConfig, invocations: Sequence[PassInvocation], dumper: Any = None, mode: str | None = None) -> None:
+    def __init__(
+        self, config: DSConfig, invocations: Sequence[PassInvocation], dumper: Any = None, mode: str | None = None, name: str | None = None
+    ) -> None:
         from dscompile.backends import get_lowering
 
         self.config = config
@@ -89,7 +100,7 @@ class GraphCompiler:
         self.manager = PassManager(self.invocations, debug=config.debug, dumper=dumper)
         self.dumper = dumper
         # With a dump, names follow the directory (graph_0, graph_1, ... per dump), else the process.
-        self.graph_name = dumper.next_graph_name() if dumper is not None else f"graph_{next(_GRAPH_COUNTER)}"
+        self.graph_name = name or (dumper.next_graph_name() if dumper is not None else f"graph_{next(_GRAPH_COUNTER)}")
         # Shared by the passes of every graph of this compile; "lowering" tells them the final backend.
         self.analysis: dict[str, Any] = {"lowering": self.lowering_name, "mode": mode}
         self.param_names: dict[int, str] = {}
@@ -108,12 +119,17 @@ class GraphCompiler:
             **extra,
         )
 
-    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def run_dynamo_passes(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[torch.fx.GraphModule, PassContext]:
+        """The ``pre_autograd`` passes on Dynamo's graph (its parameters named first); the graph and their context."""
         self.param_names = _parameter_names(gm, example_inputs)
         _annotate_parameters(gm, self.param_names)
         fill_capture_values(gm)  # Dynamo's value-less in-place calls (requires_grad_ under no_grad)
         _progress(self.graph_name, "passes on the Dynamo graph")
-        gm = self.manager.run(gm, self.context("pre_autograd", example_inputs))
+        ctx = self.context("pre_autograd", example_inputs)
+        return self.manager.run(gm, ctx), ctx
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        gm, _ = self.run_dynamo_passes(gm, example_inputs)
         inputs, resolvers = _with_runtime_inputs(gm, example_inputs, self.param_names)
         from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -139,6 +155,7 @@ class GraphCompiler:
 
         ctx = self.context("joint", joint_inputs, num_fwd_outputs=num_fwd_outputs)
         _annotate_parameters(joint, self.param_names)
+        fill_capture_values(joint)  # AOTAutograd traces calls that return nothing (a stage marker) without a value
         _progress(self.graph_name, "passes on the joint graph")
         joint = self.manager.run(joint, ctx)
         if self.lowering.prepare_joint is not None:
@@ -160,6 +177,7 @@ class GraphCompiler:
             ctx.graph_name = f"{self.graph_name}.inference"
         if kind == "forward":
             _annotate_parameters(gm, self.param_names)
+        fill_capture_values(gm)  # calls that return nothing (a stage marker) come without a value, as in the joint graph
         label = "inference" if inference else kind
         if inference and self.lowering.prepare_joint is not None:
             gm = self.lowering.prepare_joint(gm, example_inputs)  # no joint graph: the forward stands in for it
@@ -285,6 +303,51 @@ def _readable_param_name(node: torch.fx.Node) -> str:
         text = text.replace(prefix, "")
     text = text.replace("_modules['", "").replace("_parameters['", "").replace("']", "").replace("._modules", "")
     return text.replace("modules_", "").replace("_parameters_", ".")
+
+
+def capture(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    config: Any,
+    invocations: Sequence[PassInvocation],
+    *,
+    name: str | None = None,
+) -> tuple[torch.fx.GraphModule, PassContext]:
+    """Capture ``module(*args)`` as one Dynamo graph (static shapes) and run ``invocations``' ``pre_autograd``
+    passes on it, as the backend does, but stop there: no AOTAutograd, no lowering. For an entry that runs what
+    the passes made of the whole model (the pipeline engine runs the stage graphs ``pipeline_split(cut=true)``
+    leaves in ``ctx.analysis``); the graph and the passes' context come back.
+
+    The passes find ``module`` and ``args`` in ``ctx.analysis["captured_module"]`` and ``["captured_args"]``.
+    The model runs once (the captured graph, on ``args``), as a compiled model's first call does; the passes run
+    after that, so a pass's exception reaches the caller as itself. ``name`` names the graph in the dump
+    (``<name>.dynamo/``).
+    """
+    config = load_config(config)
+    invocations = list(invocations)
+    if pipeline_lowering(invocations) is None:  # what the passes are told the graphs will be lowered with
+        invocations.append(invocation("lower", config.lower or "auto"))
+    dumper = None
+    if config.dump:
+        from dscompile.dump import Dumper
+
+        dumper = Dumper(config.dump)
+    compiler = GraphCompiler(config, invocations, dumper, name=name)
+    compiler.analysis.update(captured_module=module, captured_args=tuple(args))
+    captured: dict[str, Any] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        captured["gm"], captured["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    log.info("%s: capture with pipeline %s", compiler.graph_name, ",".join(inv.spec() for inv in invocations))
+    torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*args)
+    if "gm" not in captured:
+        raise RuntimeError(f"Dynamo captured no graph of {type(module).__name__} (its forward ran without being traced)")
+    # The passes run once Dynamo is done, outside its compile (whose global state they must not see): measured, the
+    # stage graphs the pipeline pass cuts inside a backend call compile to different rounding than those cut after it.
+    gm, ctx = compiler.run_dynamo_passes(captured["gm"], captured["inputs"])
+    return gm, ctx
 
 
 def dscompile_backend(

@@ -201,17 +201,27 @@ def set_fake_value(node: torch.fx.Node, fake_mode: Any | None = None) -> Any:
 
 
 def fill_capture_values(gm: torch.fx.GraphModule) -> int:
-    """Give Dynamo's value-less in-place method calls the value they return (their ``self``); returns how many.
+    """Give a capture's value-less calls the value they return; returns how many were filled.
 
     Dynamo keeps some calls for their side effect without an ``example_value``: Hugging Face's
     ``enable_input_require_grads()`` hooks the embeddings with ``output.requires_grad_(True)``, which a
     ``torch.no_grad()`` forward records as a ``requires_grad_`` call_method with no value and no users.
-    An in-place method returns its ``self``, so the value is ``self``'s; the frontend fills it before the
-    first pass, so the passes and the lint see a described graph.
+    An in-place method returns its ``self``, so the value is ``self``'s. Two kinds of call return nothing,
+    so their value is ``None``: an op whose schema has no returns (``dscompile.pipeline_split()``, the
+    pipeline's stage marker, which Dynamo records without a value) and ``torch.export``'s input-guard call
+    (``_guards_fn``, which ``ExportedProgram.module()`` inserts after the placeholders with no value). The
+    frontend (and the pipeline engine, for its exported graph) fills them before the first pass, so the
+    passes and the lint see a described graph.
     """
     filled = 0
     for node in gm.graph.nodes:
-        if node.op != "call_method" or node_value(node) is not None or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if "val" in node.meta or node_value(node) is not None:
+            continue
+        if _returns_nothing(gm, node):
+            node.meta["val"] = None
+            filled += 1
+            continue
+        if node.op != "call_method" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
         name = str(node.target)
         if name.endswith("_") and not name.endswith("__"):
@@ -220,6 +230,25 @@ def fill_capture_values(gm: torch.fx.GraphModule) -> int:
                 node.meta["example_value"] = value
                 filled += 1
     return filled
+
+
+def _returns_nothing(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """True for a call whose result is ``None`` by construction: an op whose schema (every overload's) has no
+    returns, or a call of a ``torch.export`` guard module (``GuardsFn.forward`` returns nothing)."""
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            overloads = [getattr(target, name) for name in target.overloads()]
+            return bool(overloads) and all(not o._schema.returns for o in overloads)
+        return isinstance(target, torch._ops.OpOverload) and not target._schema.returns
+    if node.op == "call_module":
+        from torch.export._unlift import GuardsFn
+
+        try:
+            return isinstance(gm.get_submodule(str(node.target)), GuardsFn)
+        except AttributeError:
+            return False
+    return False
 
 
 def _rng_wrappers() -> tuple[Any, Any]:

@@ -14,14 +14,24 @@ The captured (Dynamo, torch-level) graph is cut into contiguous pieces of its to
 ``split_program`` then cuts the graph with ``torch.fx.passes.split_module`` into one
 GraphModule per stage and records, for every stage, where each input comes from (a user input
 or an output of an earlier stage) so the runtime knows which activations travel forward and
-which gradients travel back. The ``pipeline_split`` pass (pre-autograd) only annotates
-``node.meta["dscompile"]["stage"]`` so a dump shows one colour per stage.
+which gradients travel back.
+
+The ``pipeline_split`` pass (pre-autograd) is the one place the split is decided and made. It
+annotates ``node.meta["dscompile"]["stage"]`` (a dump shows one colour per stage); with ``cut``
+it also cuts the graph into a ``StagedProgram`` and leaves it in ``ctx.analysis["pipeline_program"]``:
+the pipeline engine captures the model through the frontend (``dscompile.frontend.capture``) with
+this pass in its pipeline and runs the stages it finds there, as ``torch.distributed.pipelining``
+hands its IR to its schedules. Cutting needs the module whose parameters the stages will own and
+the call's arguments, which the capture puts in ``ctx.analysis["captured_module"]`` and
+``["captured_args"]``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,7 +41,7 @@ import torch.fx
 
 from dscompile.config import log_no_effect, log_no_effect_keys, parse_dataclass, register_section
 from dscompile.cost import evaluate, nbytes, node_cost
-from dscompile.errors import DSCompileConfigError
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError, DSCompilePipelineError
 from dscompile.graph import ds_meta, is_collective, node_value
 from dscompile.pipeline import PassContext, register_pass
 from dscompile.runtime.pipeline_markers import is_marker
@@ -495,6 +505,13 @@ class StagedProgram:
     loss: tuple[int, int]
     plan: PartitionPlan
     split_gm: torch.fx.GraphModule
+    facts: GraphFacts | None = None  # the measurements the plan was made from (for ``describe``)
+
+    def describe(self) -> str:
+        """The plan's table and the tensors crossing each cut (``describe_plan``)."""
+        if self.facts is None:
+            raise ValueError("this StagedProgram carries no GraphFacts to describe its plan with")
+        return describe_plan(self, self.plan, self.facts)
 
 
 def _spec(value: Any) -> TensorSpec | None:
@@ -712,30 +729,133 @@ def describe_plan(program: StagedProgram | None, plan: PartitionPlan, facts: Gra
 
 
 # ---------------------------------------------------------------------------------------------
-# The inspection pass: annotate stages on the Dynamo graph inside torch.compile
+# The pass: decide the split (annotating the graph), and with ``cut`` make the stage graphs
 # ---------------------------------------------------------------------------------------------
+MODULE_KEY = "captured_module"  # ctx.analysis: the nn.Module the graph was captured from
+ARGS_KEY = "captured_args"  # ctx.analysis: the arguments it was called with (the example batch)
+PROGRAM_KEY = "pipeline_program"  # ctx.analysis: the StagedProgram the pass cut
+PLAN_KEY = "pipeline_plan"  # ctx.analysis: the PartitionPlan
+
+
+def attribute_graph(
+    gm: torch.fx.GraphModule, root: torch.nn.Module, example_inputs: Sequence[Any], args: Sequence[Any]
+) -> tuple[torch.fx.GraphModule, set[torch.fx.Node]]:
+    """A copy of ``gm`` whose placeholders holding ``root``'s parameters and buffers are ``get_attr`` of ``root``
+    (what ``split_program`` cuts: each stage then owns the tensors it reads), and its trainable-parameter nodes.
+
+    ``example_inputs`` are the values of ``gm``'s placeholders (a backend's example inputs: the real tensors);
+    the others must be ``args`` in order (the batch positions the runtime feeds). ``get_attr`` nodes already
+    in ``gm`` (a graph that holds its tensors) stay, resolved in ``root``. ``gm`` itself is left as it was.
+    """
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:  # node metadata is copied shallowly: give the copy its own dscompile dict
+        if isinstance(node.meta.get("dscompile"), dict):
+            node.meta["dscompile"] = dict(node.meta["dscompile"])
+    names: dict[int, str] = {}
+    for name, p in root.named_parameters():
+        names.setdefault(id(p), name)
+    for name, b in root.named_buffers():
+        names.setdefault(id(b), name)
+    arg_ids = {id(a): i for i, a in enumerate(args)}
+    param_nodes: set[torch.fx.Node] = set()
+    user_inputs: list[int] = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+    for node, value in zip(placeholders, example_inputs):
+        if id(value) in names:
+            with graph.inserting_before(first_compute), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the graph's module does not hold the model's attributes yet
+                attr = graph.get_attr(names[id(value)])
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                param_nodes.add(attr)
+        elif id(value) in arg_ids:
+            user_inputs.append(arg_ids[id(value)])
+        else:
+            raise DSCompileNotSupportedError(
+                "pipeline", f"capturing a model whose graph reads a tensor that is neither an input nor a parameter/buffer ({node.name})"
+            )
+    if user_inputs != sorted(user_inputs) or len(user_inputs) != len(args):
+        raise DSCompileNotSupportedError("pipeline", "models that do not read every batch tensor in order (pass only the tensors forward uses)")
+    for node in graph.nodes:
+        if node.op == "get_attr" and node not in param_nodes:
+            value = getattr_path(root, str(node.target))
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                param_nodes.add(node)
+    return torch.fx.GraphModule(root, graph), param_nodes
+
+
 @dataclass
 class PipelineSplitOptions:
-    stages: int = 2
-    method: str = "cost"
+    stages: int = field(default=2, metadata={"help": "how many pieces: ranks per pipeline times chunks per rank"})
+    method: str = field(default="cost", metadata={"help": "cost | parameters | uniform | type:REGEX (pipeline.partition_method)"})
+    split_points: tuple[str, ...] = field(default=(), metadata={"help": "cut in front of these modules, in forward order"})
+    memory_weight: float = field(default=0.1, metadata={"help": "pipeline.cost_memory_weight"})
+    flops_per_byte: float = field(default=1.0, metadata={"help": "pipeline.cost_flops_per_byte"})
+    strip: str = field(default="", metadata={"help": "module-path prefix split points and layers leave out (the engine's loss wrapper)"})
+    cut: bool = field(default=False, metadata={"help": "also cut the stage graphs into ctx.analysis['pipeline_program'] (the pipeline engine)"})
 
 
 @register_pass("pipeline_split", graphs=["pre_autograd"], options=PipelineSplitOptions)
 def pipeline_split_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: PipelineSplitOptions) -> None:
-    """Annotate each node with its pipeline stage (``meta['dscompile']['stage']``), no rewrite."""
+    """Annotate each node with its pipeline stage (``meta['dscompile']['stage']``); with ``cut``, cut the stage
+    graphs into ``ctx.analysis['pipeline_program']`` for the pipeline engine (``gm`` itself is not rewritten)."""
+    if options.cut:
+        _cut(gm, ctx, options)
+        return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     param_nodes = {placeholders[i] for i in ctx.param_names if i < len(placeholders)}
-    facts = graph_facts(gm, param_nodes)
+    facts = graph_facts(gm, param_nodes, options.strip)
     if len(facts.nodes) < options.stages:
         log.info("graph %s has %d nodes, fewer than %d stages: left unannotated", ctx.graph_name, len(facts.nodes), options.stages)
         return None
     try:
-        plan = plan_partition(facts, options.stages, options.method)
+        plan = _plan(facts, options)
     except (ValueError, DSCompileConfigError) as exc:
         log.info("graph %s not annotated: %s", ctx.graph_name, exc)
         return None
     for i, node in enumerate(facts.nodes):
         ds_meta(node)["stage"] = plan.stage_of(i)
-    ctx.analysis["pipeline_plan"] = plan
+    ctx.analysis[PLAN_KEY] = plan
     log.info("%s", describe_plan(None, plan, facts))
     return None
+
+
+def _plan(facts: GraphFacts, options: PipelineSplitOptions) -> PartitionPlan:
+    return plan_partition(
+        facts,
+        options.stages,
+        options.method,
+        split_points=options.split_points,
+        memory_weight=options.memory_weight,
+        flops_per_byte=options.flops_per_byte,
+        strip=options.strip,
+    )
+
+
+def _cut(gm: torch.fx.GraphModule, ctx: PassContext, options: PipelineSplitOptions) -> None:
+    """Plan on a copy of ``gm`` whose parameters are ``get_attr`` of the captured module, cut that copy into the
+    StagedProgram, and annotate ``gm``'s nodes with the same stages. Errors are the user's (a split point that
+    matches nothing, too few layers): raised, not logged, since the engine cannot run without its stages."""
+    root = ctx.analysis.get(MODULE_KEY)
+    args = ctx.analysis.get(ARGS_KEY)
+    if root is None or args is None:
+        raise DSCompilePipelineError(
+            "pipeline_split(cut=true) cuts the stage graphs for the pipeline engine and needs the captured module and its "
+            f"arguments in ctx.analysis[{MODULE_KEY!r}] and [{ARGS_KEY!r}] (dscompile.frontend.capture puts them there); "
+            "inside torch.compile use pipeline_split without cut, which annotates the stages"
+        )
+    target, param_nodes = attribute_graph(gm, root, ctx.example_inputs, args)
+    facts = graph_facts(target, param_nodes, options.strip)
+    plan = _plan(facts, options)
+    by_name = {node.name: node for node in gm.graph.nodes}
+    for i, node in enumerate(facts.nodes):
+        if node.name in by_name:
+            ds_meta(by_name[node.name])["stage"] = plan.stage_of(i)
+    program = split_program(target, root, facts, plan, param_nodes, args)
+    program.facts = facts
+    ctx.analysis[PLAN_KEY] = plan
+    ctx.analysis[PROGRAM_KEY] = program
+    log.info("%s", program.describe())

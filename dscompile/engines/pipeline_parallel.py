@@ -6,8 +6,10 @@
 
 ``model(*micro_batch)`` must return the loss (or pass ``loss_fn``: ``loss_fn(model(*batch[:-1]),
 batch[-1])``). On the first batch (or at construction with ``example_batch=``) the model is
-captured whole by Dynamo, partitioned (``passes/pipeline_split.py``) and cut into stages; each
-rank keeps only its stages (their parameters; the others are freed), compiles them with the
+captured whole through the frontend (``dscompile.frontend.capture``) with the ``pipeline_split`` pass
+in its pipeline, which partitions the graph and cuts the stages (``passes/pipeline_split.py``); the
+engine receives them as data (a ``StagedProgram``), as ``torch.distributed.pipelining``'s schedules
+receive its IR. Each rank keeps only its stages (their parameters; the others are freed), compiles them with the
 dscompile backend and runs its schedule. Ranks are laid out as DeepSpeed's pipeline topology lays them
 out (``dscompile.planner.ParallelLayout``: ``rank = stage * data_parallel_size + data_parallel_rank``
 without tensor parallelism, whose ranks are innermost); gradients are averaged over the data-parallel group and summed over the ranks that
@@ -36,7 +38,6 @@ import os
 import re
 import time
 import types
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,10 @@ import torch.fx
 from torch import nn
 
 from dscompile.config import DSConfig, load_config
-from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.errors import DSCompileConfigError
+from dscompile.frontend import capture
+from dscompile.graph import fill_capture_values
+from dscompile.pipeline import PassContext, PassInvocation, PassManager, invocation
 from dscompile.planner import plan_parallel
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
 from dscompile.runtime.comm_stats import collecting
@@ -104,46 +108,13 @@ class _WithLoss(nn.Module):
 
 
 def capture_graph(module: nn.Module, example_args: Sequence[Any]) -> tuple[torch.fx.GraphModule, set[torch.fx.Node]]:
-    """The whole forward as one Dynamo graph whose parameters and buffers are ``get_attr`` of ``module``."""
-    captured: dict[str, Any] = {}
+    """The whole forward as one graph whose parameters and buffers are ``get_attr`` of ``module``, and its trainable
+    parameter nodes: the frontend's capture (``dscompile.frontend.capture``, no pass) in the form the pipeline pass
+    cuts (``attribute_graph``). For inspecting the partitioner by hand; the engine runs the pass instead."""
+    from dscompile.passes.pipeline_split import attribute_graph
 
-    def grab(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        captured["gm"], captured["inputs"] = gm, list(example_inputs)
-        return gm.forward
-
-    compiled = torch.compile(module, backend=grab, fullgraph=True, dynamic=False)
-    compiled(*example_args)
-    gm, inputs = captured["gm"], captured["inputs"]
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters():
-        names.setdefault(id(p), name)
-    for name, b in module.named_buffers():
-        names.setdefault(id(b), name)
-    arg_ids = {id(a): i for i, a in enumerate(example_args)}
-    graph = gm.graph
-    param_nodes: set[torch.fx.Node] = set()
-    user_inputs: list[tuple[int, torch.fx.Node]] = []
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
-    for node, value in zip(placeholders, inputs):
-        if id(value) in names:
-            with graph.inserting_before(first_compute), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the Dynamo module does not hold the model's attributes yet
-                attr = graph.get_attr(names[id(value)])
-            attr.meta = dict(node.meta)
-            node.replace_all_uses_with(attr)
-            graph.erase_node(node)
-            if isinstance(value, nn.Parameter) and value.requires_grad:
-                param_nodes.add(attr)
-        elif id(value) in arg_ids:
-            user_inputs.append((arg_ids[id(value)], node))
-        else:
-            raise DSCompileNotSupportedError(
-                "pipeline", f"capturing a model whose graph reads a tensor that is neither an input nor a parameter/buffer ({node.name})"
-            )
-    if [i for i, _ in user_inputs] != sorted(i for i, _ in user_inputs) or len(user_inputs) != len(example_args):
-        raise DSCompileNotSupportedError("pipeline", "models that do not read every batch tensor in order (pass only the tensors forward uses)")
-    return torch.fx.GraphModule(module, graph), param_nodes
+    gm, ctx = capture(module, tuple(example_args), {}, [])
+    return attribute_graph(gm, module, ctx.example_inputs, tuple(example_args))
 
 
 def _writable(inputs: list[Any], every_tensor: bool) -> list[Any]:
@@ -323,28 +294,30 @@ class PipelineEngine(EngineCore):
 
     # -- building the stages -------------------------------------------------------------------
     def _build(self, example: Sequence[Any]) -> None:
-        from dscompile.passes.pipeline_split import graph_facts, plan_partition, split_program
-
-        if self.tp_groups is not None:
-            gm, param_nodes = self._capture_tensor_parallel(tuple(example))
-            attributes: nn.Module = gm  # the split graph's own buffers and constants live on it (parameters are the model's)
-        else:
-            gm, param_nodes = capture_graph(self.root, tuple(example))
-            attributes = self.root
-        facts = graph_facts(gm, param_nodes, self._strip)
-        plan = plan_partition(
-            facts,
-            self.num_stages * self.chunks,
-            self.pcfg.partition_method,
-            split_points=self.pcfg.split_points,
-            memory_weight=self.pcfg.cost_memory_weight,
-            flops_per_byte=self.pcfg.cost_flops_per_byte,
+        """Capture the model through the frontend with the ``pipeline_split`` pass in the pipeline; the pass decides and
+        cuts the stages, and this engine runs the ``StagedProgram`` it leaves in the pass context."""
+        example = tuple(example)
+        cfg = self.pcfg
+        split = invocation(
+            "pipeline_split",
+            stages=self.num_stages * self.chunks,
+            method=cfg.partition_method,
+            split_points=list(cfg.split_points),
+            memory_weight=cfg.cost_memory_weight,
+            flops_per_byte=cfg.cost_flops_per_byte,
             strip=self._strip,
+            cut=True,
         )
-        self.program = split_program(gm, attributes, facts, plan, param_nodes, tuple(example))
-        self.facts = facts
-        if self.config.dump and self.global_rank == 0:
-            self._dump(gm)
+        config = self.config if self.global_rank == 0 else dataclasses.replace(self.config, dump=None)  # rank 0 dumps
+        if self.tp_groups is not None:
+            analysis = self._split_tensor_parallel(example, config, split)
+        else:
+            _, ctx = capture(self.root, example, config, [split], name="pipeline")
+            analysis = ctx.analysis
+        self.program = analysis["pipeline_program"]
+        self.facts = self.program.facts
+        if config.dump:
+            self._dump()
         owners: dict[int, set[int]] = {}
         by_id: dict[int, nn.Parameter] = {}
         for spec in self.program.stages:
@@ -374,10 +347,10 @@ class PipelineEngine(EngineCore):
             args, self._pending_load = self._pending_load, None
             self.load_checkpoint(*args)
 
-    def _capture_tensor_parallel(self, example: tuple[Any, ...]) -> tuple[torch.fx.GraphModule, set[torch.fx.Node]]:
-        """The whole model captured and split by the tensor-parallel pass (its parameters sliced in place),
-        ready to be cut into stages: each stage then runs its slice of every block on its TP group."""
-        from dscompile.passes.pipeline_split import getattr_path
+    def _split_tensor_parallel(self, example: tuple[Any, ...], config: DSConfig, split: PassInvocation) -> dict[str, Any]:
+        """The whole model captured and split by the tensor-parallel pass (its parameters sliced in place), then the
+        ``pipeline_split`` pass run on that graph: each stage runs its slice of every block on its TP group. The
+        tensor-parallel split still captures with ``torch.export`` itself, outside the frontend (issue 34)."""
         from dscompile.passes.tensor_parallel import parallelize
 
         assert self.tp_groups is not None and self.tensor_parallel is not None
@@ -386,9 +359,24 @@ class PipelineEngine(EngineCore):
         self.tensor_parallel_plan = plan
         self.gradients.tp_sliced = {id(self.root.get_parameter(name)) for name in plan.slices}
         self.gradients.tp_replicas = {id(self.root.get_parameter(name)): spec.replicas for name, spec in plan.slices.items() if spec.replicas > 1}
-        trainable = {id(p) for p in self.root.parameters() if p.requires_grad}
-        param_nodes = {n for n in gm.graph.nodes if n.op == "get_attr" and id(getattr_path(gm, str(n.target))) in trainable}
-        return gm, param_nodes
+        # the exported graph holds the model's (sliced) parameters and its own buffers and constants: the stages own them from it
+        ctx = PassContext(
+            config=config,
+            graph_kind="pre_autograd",
+            graph_name="pipeline.export",
+            example_inputs=example,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            analysis={"captured_module": gm, "captured_args": example},
+        )
+        dumper = None
+        if config.dump:
+            from dscompile.dump import Dumper
+
+            dumper = Dumper(config.dump)
+        fill_capture_values(gm)  # export's input-guard call (_guards_fn) and any stage marker: calls that return None
+        PassManager([split], debug=config.debug, dumper=dumper).run(gm, ctx)
+        return ctx.analysis
 
     def _stage_config(self) -> DSConfig:
         """The config the stage graphs compile with: ZeRO-1 is the engine's job here, not a graph pass, and
@@ -422,17 +410,12 @@ class PipelineEngine(EngineCore):
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in mine]  # in place: the caller's object stays valid
 
-    def _dump(self, gm: torch.fx.GraphModule) -> None:
-        from dscompile.dump import Dumper
-        from dscompile.passes.pipeline_split import describe_plan
-        from dscompile.pipeline import PassContext
-
+    def _dump(self) -> None:
+        """Next to the pass's own dump of the captured graph (``pipeline.dynamo/``, stages annotated): the plan's table
+        and each stage graph it cut."""
         root = Path(self.config.dump)
-        dumper = Dumper(root)
-        ctx = PassContext(config=self.config, graph_kind="pre_autograd", graph_name="pipeline.dynamo")
-        dumper.dump(gm, ctx, "pipeline_split", step=1)
-        text = describe_plan(self.program, self.program.plan, self.facts)
-        (root / "pipeline_stages.txt").write_text(text)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "pipeline_stages.txt").write_text(self.program.describe())
         for spec in self.program.stages:
             (root / f"pipeline_stage_{spec.index}.py").write_text(spec.module.print_readable(print_output=False))
 
