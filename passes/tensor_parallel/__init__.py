@@ -83,7 +83,7 @@ from torch import fx, nn
 
 from dscompile.config import parse_dataclass, register_section, unbuilt
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.passes.tensor_parallel_graph_facts import POINTWISE, REDUCTIONS, SECTION, VIEWS, node_shape, view_groups
+from dscompile.passes.tensor_parallel.graph_facts import POINTWISE, REDUCTIONS, SECTION, VIEWS, node_shape, view_groups
 from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, process_groups_for
 from dscompile.runtime.tensor_parallel import (
@@ -1227,7 +1227,7 @@ def parallelize(model: nn.Module, args: tuple, kwargs: dict, groups: ProcessGrou
     """Capture, find the blocks, rewrite the graph and partition ``model``'s parameters in place."""
     tp = groups.tp_size
     gm = capture(model, args, kwargs)
-    from dscompile.passes.tensor_parallel_sequence import find_sequence, shard_sequence  # it builds on this module
+    from dscompile.passes.tensor_parallel.sequence import find_sequence, shard_sequence  # it builds on this module
 
     seq = find_sequence(gm, tp) if tc.sequence_parallel else None
     blocks, whole = find_blocks(gm, tp)
@@ -1496,3 +1496,6 @@ class TensorParallelExtension(EngineExtension):
 def _tensor_parallel_extension(config: Any) -> EngineExtension | None:
     tc = tensor_parallel_config(config)
     return TensorParallelExtension(tc) if tc is not None else None
+
+
+from dscompile.passes.tensor_parallel import overlap as _overlap  # noqa: E402,F401  # registers the tp_overlap pass

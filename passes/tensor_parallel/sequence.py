@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.passes.tensor_parallel_graph_facts import POINTWISE, SECTION, VIEWS, node_shape, view_groups
+from dscompile.passes.tensor_parallel.graph_facts import POINTWISE, SECTION, VIEWS, node_shape, view_groups
 from dscompile.runtime.tensor_parallel import sp_gather, sp_reduce_scatter, sp_scatter, tp_copy, tp_reduce
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
