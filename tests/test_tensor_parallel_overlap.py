@@ -1,4 +1,4 @@
-"""``tensor_parallel.tp_overlap_comm`` (``passes/tensor_parallel_overlap.py``) on 2 gloo ranks.
+"""``tensor_parallel.tp_overlap_comm`` (``passes/tensor_parallel/overlap.py``) on 2 gloo ranks.
 
 With the flag on, every TP all-reduce of the backward graph (``tp_copy``'s: the gradient of a block's input)
 must start before, and be waited for after, at least one weight-gradient matmul that does not need it, both in
