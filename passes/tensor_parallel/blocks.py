@@ -40,6 +40,8 @@ class Linear:
 
 @dataclass
 class Block:
+    """A residual block the graph lets split: its column linears, its row linear and what the propagation found between."""
+
     columns: list[Linear]
     row: Linear
     region: list[fx.Node]
@@ -61,6 +63,7 @@ def _param_name(node: Any) -> str | None:
 
 
 def as_linear(node: fx.Node) -> Linear | None:
+    """The linear layer ``node`` computes from named parameters, or None (the vocabulary head's finder reads it too)."""
     if node.op != "call_function":
         return None
     if node.target is aten.linear.default:
