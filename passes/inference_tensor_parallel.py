@@ -1,7 +1,7 @@
 """Tensor-parallel inference: the training tensor-parallel pass applied to the inference engine's graphs.
 
 ``init_inference(model, tensor_parallel={"tp_size": N})`` under ``torchrun`` (N ranks per model) splits
-every transformer block Megatron-style with ``passes/tensor_parallel.py``: the graph is captured with
+every transformer block Megatron-style with ``passes/tensor_parallel/``: the graph is captured with
 ``torch.export``, the blocks are found and rewritten there (column/row-parallel linears, the head
 count divided in every view, an all-reduce after each row-parallel linear), and the parameters are
 sliced in place, once. What inference adds:

@@ -1,4 +1,4 @@
-"""Tensor parallelism found from the graph (``passes/tensor_parallel.py``) on 2 gloo ranks.
+"""Tensor parallelism found from the graph (``passes/tensor_parallel/``) on 2 gloo ranks.
 
 Each model trains under TP=2 and on a single process from the same weights and batches: the losses,
 the gradients (TP slices gathered) and the parameters after a few optimizer steps must agree (fp32:

@@ -1,4 +1,4 @@
-"""``tensor_parallel.tp_overlap_comm`` (``passes/tensor_parallel_overlap.py``) on 2 gloo ranks.
+"""``tensor_parallel.tp_overlap_comm`` (``passes/tensor_parallel/overlap.py``) on 2 gloo ranks.
 
 With the flag on, every TP all-reduce of the backward graph (``tp_copy``'s: the gradient of a block's input)
 must start before, and be waited for after, at least one weight-gradient matmul that does not need it, both in
@@ -24,7 +24,7 @@ SGD = {"type": "SGD", "params": {"lr": 0.1}}
 def _overlapped_matmuls(gm: torch.fx.GraphModule) -> list[int]:
     """For each all-reduce of the graph: how many weight-gradient matmuls (``mm`` whose result the graph returns)
     run between its start and its wait (so they cannot depend on it)."""
-    from dscompile.passes.tensor_parallel_overlap import is_all_reduce_start
+    from dscompile.passes.tensor_parallel.overlap import is_all_reduce_start
 
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}

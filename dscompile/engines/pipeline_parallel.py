@@ -189,7 +189,7 @@ class PipelineEngine(EngineCore):
         self.pcfg = pcfg
         self.world_size, self.global_rank = world_info()
         self.num_stages = pcfg.stages
-        tc = self.config.sections.get("tensor_parallel")  # passes/tensor_parallel.py's TensorParallelConfig
+        tc = self.config.sections.get("tensor_parallel")  # passes/tensor_parallel/config.py's TensorParallelConfig
         self.tensor_parallel: Any = tc if tc is not None and tc.enabled else None
         self.tp_size = tc.autotp_size if self.tensor_parallel is not None else 1
         refuse_sequence_parallel(self.tensor_parallel)

@@ -1,7 +1,7 @@
 """The graph facts tensor and sequence parallelism both propagate shardings with: which aten ops act elementwise,
 view or reduce, a node's static shape, and how a view groups its dimensions.
 
-``passes/tensor_parallel.py`` slices weights along them; ``passes/tensor_parallel_sequence.py`` slices the sequence.
+``blocks.py``/``propagate.py`` slice weights along them; ``sequence.py`` slices the sequence.
 """
 
 from __future__ import annotations
@@ -55,3 +55,23 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
                 return []
         groups.append((gi, gj))
     return groups
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def attr_value(module: Any, target: str) -> Any:
+    """What a ``get_attr`` target (a dotted name) holds in ``module``: a parameter, buffer or submodule."""
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value

@@ -1,6 +1,6 @@
 """Megatron's sequence parallelism inside tensor parallelism (``tensor_parallel.sequence_parallel``).
 
-Runs on the graph ``passes/tensor_parallel.py`` split (``parallelize`` calls ``find_sequence`` and
+Runs on the graph ``passes/tensor_parallel/`` split (``parallelize`` calls ``find_sequence`` and
 ``shard_sequence``): between the blocks the residual stream holds each rank's chunk of the sequence, each
 block's all-reduce becomes a reduce-scatter along the sequence and an all-gather goes before the next block's
 column-parallel linears, so the norms, residual adds and dropouts between the blocks run on a chunk.
@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.passes.tensor_parallel_graph_facts import POINTWISE, SECTION, VIEWS, node_shape, view_groups
+from dscompile.passes.tensor_parallel.graph_facts import POINTWISE, SECTION, VIEWS, node_shape, view_groups
 from dscompile.runtime.tensor_parallel import sp_gather, sp_reduce_scatter, sp_scatter, tp_copy, tp_reduce
 
 log = logging.getLogger("dscompile.passes.tensor_parallel")
