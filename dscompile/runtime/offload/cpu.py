@@ -9,7 +9,7 @@ already under ``bf16``/``fp16``, the graphs cast).
 The early host step (ZeRO-2/3): the ``offload_gradients`` pass (``passes/offload.py``) puts a
 ``dscompile::offload_gradient`` node in each backward graph right where a host-stepped shard's gradient is final
 (after its bucket's reduce-scatter wait, and after the graph's last read of the shard). When the engine's gate
-allows it (``OptimizerOffload.early_step_allowed``: the engine's backward of one forward, on the micro-step
+allows it (``OptimizerOffloadExtension.early_step_allowed``: the engine's backward of one forward, on the micro-step
 that ends a batch, no ``gradient_clipping``, no fp16 loss scaling or other overflow check, no extension acting on
 ready gradients), ``hand_off`` adds the accumulated ``.grad`` as AccumulateGrad would, copies the gradient to the
 host and submits that shard's host step to one worker thread (``host_threads``, else the cores torch's own threads
