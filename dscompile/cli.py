@@ -235,7 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from dscompile.config import load_config
     from dscompile.planner import non_shard_device_bytes, plan_optimizer_offload, plan_parallel, plan_param_offload, zero_parameters
-    from dscompile.runtime.offload.optimizer import state_bytes_per_element
+    from dscompile.runtime.offload.host import state_bytes_per_element
     from dscompile.runtime.optimizers import build_optimizer
 
     if args.world < 1:

@@ -1,6 +1,6 @@
 """ZeRO-Offload / ZeRO-Infinity: the ``offload_optimizer`` and ``offload_param`` configs and their engine extensions.
 
-``offload_param`` (``OffloadParamConfig``, ZeRO-3 only) is at the end: ``ParamOffload`` moves the partitioned
+``offload_param`` (``OffloadParamConfig``, ZeRO-3 only) is at the end: ``ParamOffloadExtension`` moves the partitioned
 parameter shards into ``runtime/offload/params.ParamStore`` (host or NVMe) and has ``ZeroModule`` read them
 through ``zero_param_load`` right before their all-gather; the planner (``plan_param_offload``) sets the
 read-ahead distance.
@@ -8,19 +8,19 @@ read-ahead distance.
 ``zero_optimization.offload_optimizer`` (DeepSpeed's keys and defaults) moves the fp32 master shards and
 the optimizer states of ZeRO stages 1-3 to the host (``device: cpu``) or to swap files under
 ``nvme_path`` (``device: nvme``); the engine extension registered here wraps ZeRO's sharded
-optimizer in ``runtime/offload.OffloadedOptimizer`` at engine construction. With ``device: cpu`` (or ``nvme``, below) and
+optimizer in ``runtime/offload.OffloadedOptimizer`` (``build_offloaded_optimizer``) at engine construction. With ``device: cpu`` (or ``nvme``, below) and
 ZeRO-2/3, the ``offload_gradients`` pass (last before the lowering) adds one ``dscompile::offload_gradient``
 node per host-stepped shard to each backward graph, where its gradient is final (after its bucket's
 reduce-scatter wait; for a shard stepped in place, also after the graph's last read of it): the host
 step of that shard may start there, on a worker thread, while backward goes on. It starts only when
-``OptimizerOffload.early_step_allowed`` says nothing global decides it: the engine's backward of a single
+``OptimizerOffloadExtension.early_step_allowed`` says nothing global decides it: the engine's backward of a single
 forward, on the micro-step that ends a batch (the accumulated gradient is added as AccumulateGrad does),
 no ``gradient_clipping``, no overflow check (fp16 loss scaling; bf16 too: its static scaler skips a step
 with inf/NaN gradients), no other extension acting on
 ready gradients, ``ignore_unused_parameters`` on. Otherwise every shard is stepped at ``engine.step()``
 as before (its gradient copied from a post-accumulate-grad hook, after the backward graph returned).
 With ``device: nvme`` the same hand-offs step whole tiles in the backward once every shard cut into a tile has its
-gradient (``OffloadedOptimizer._hand_off_nvme``: on the main thread, the tile reads and writes in flight around it, so
+gradient (``NvmeOffloadedOptimizer._early_hand_off``: on the main thread, the tile reads and writes in flight around it, so
 the swap I/O overlaps backward; the tiles' counter is ``early_tiles``). The counters
 (``communication_stats()`` / ``ext.counters()``) say ``early_host_steps``: ``submitted`` (handed off
 during backward), ``started_in_backward`` and ``finished_in_backward`` (by the worker before backward returned).
@@ -33,7 +33,7 @@ How each key is used:
   the device (DeepSpeed's Twin-Flow).
 - ``buffer_count``: NVMe tile buffers alive during the step (read-ahead plus write-behind); at least 1. The
   first ``buffer_count`` tiles are read from the forward of the micro-step that ends a batch on
-  (``OptimizerOffload.before_forward``), so those reads overlap the forward and backward.
+  (``OptimizerOffloadExtension.before_forward``), so those reads overlap the forward and backward.
 - ``pipeline_read`` / ``pipeline_write``: read tiles ahead / write them back while the next tile is
   stepped; false waits for each read / write (DeepSpeed's meaning). dscompile pipelines by default
   (DeepSpeed's defaults are false; results are identical either way).
@@ -174,7 +174,7 @@ def aio_settings(config: Any) -> dict[str, Any]:
     return {"block_size": int(aio.get("block_size", 1 << 20)), "io_threads": max(given) if given else DEFAULT_IO_THREADS}
 
 
-class OptimizerOffload(EngineExtension):
+class OptimizerOffloadExtension(EngineExtension):
     """Wraps ZeRO's sharded optimizer so its offloaded part is stepped on the host or from NVMe."""
 
     name = "zero_offload"
@@ -187,8 +187,8 @@ class OptimizerOffload(EngineExtension):
         self._forwards = 0  # engine forwards since the last backward
 
     def configure(self, engine: EngineCore) -> None:
-        from dscompile.runtime.offload import OffloadedOptimizer, OffloadSettings
-        from dscompile.runtime.offload.optimizer import host_threads_from_fraction, state_bytes_per_element
+        from dscompile.runtime.offload import OffloadSettings, build_offloaded_optimizer
+        from dscompile.runtime.offload.host import host_threads_from_fraction, state_bytes_per_element
 
         if engine.zero is None:
             raise DSCompileConfigError("zero_optimization.offload_optimizer", "needs ZeRO (stage 1, 2 or 3) to partition the optimizer first")
@@ -246,7 +246,7 @@ class OptimizerOffload(EngineExtension):
             **aio_settings(self.config),
         )
         chosen = [shards[name] for name in self.plan.offloaded_names]
-        self.optimizer = OffloadedOptimizer(engine.optimizer, zero.shards, settings, rank=zero.rank, chosen=chosen)
+        self.optimizer = build_offloaded_optimizer(engine.optimizer, zero.shards, settings, rank=zero.rank, chosen=chosen)
         # device->host gradient copies start from backward, on the micro-step that ends a batch
         self.optimizer.copy_gradients_during_backward(engine.is_gradient_accumulation_boundary)
         # the host step of each shard may start from the backward graph (``offload_gradients`` pass) when nothing global decides it
@@ -323,8 +323,8 @@ def offload_gradients(gm: torch.fx.GraphModule, ctx: PassContext, options: Offlo
     ``dscompile::offload_gradient`` node right after each such gradient's final value (after its bucket's
     reduce-scatter wait), and after every node of this graph that still reads the shard itself (ZeRO-3 gathers it
     again in backward; an early step updates an in-place shard). The op does nothing unless the engine lets the
-    step start early (``OptimizerOffload.early_step_allowed``)."""
-    from dscompile.runtime.offload.optimizer import OFFLOAD_GRADIENT, gradient_sink_of
+    step start early (``OptimizerOffloadExtension.early_step_allowed``)."""
+    from dscompile.runtime.offload.gradient_sink import OFFLOAD_GRADIENT, gradient_sink_of
 
     if ctx.graph_kind == "pre_autograd":
         ctx.analysis["offload_gradients"] = {
@@ -392,10 +392,10 @@ def _offload_extension(config: Any) -> EngineExtension | None:
     zc = getattr(config, "sections", {}).get("zero_optimization")
     if zc is None or zc.stage == 0 or zc.offload_optimizer is None or not zc.offload_optimizer.enabled:
         return None
-    return OptimizerOffload(zc, config)
+    return OptimizerOffloadExtension(zc, config)
 
 
-class ParamOffload(EngineExtension):
+class ParamOffloadExtension(EngineExtension):
     """ZeRO-3 parameter shards on the host or in NVMe files (``offload_param``), read before their all-gather."""
 
     name = "zero_offload_param"
@@ -459,7 +459,7 @@ class ParamOffload(EngineExtension):
 
     @staticmethod
     def _other_device_bytes(engine: EngineCore, planned: list[PlannedParameter], shard_bytes: int) -> int:
-        from dscompile.runtime.offload.optimizer import state_bytes_per_element
+        from dscompile.runtime.offload.host import state_bytes_per_element
 
         optimizer_plan = getattr(engine.extension("zero_offload"), "plan", None)  # configured first (order 11)
         if optimizer_plan is not None:
@@ -515,4 +515,4 @@ def _param_offload_extension(config: Any) -> EngineExtension | None:
     zc = getattr(config, "sections", {}).get("zero_optimization")
     if zc is None or zc.offload_param is None or not zc.offload_param.enabled:
         return None
-    return ParamOffload(zc, config)
+    return ParamOffloadExtension(zc, config)

@@ -127,8 +127,8 @@ EFFECT: dict[str, str] = {
 
 # Read by the code but with no test of their effect yet (a gap, listed so it stays visible): key -> the source that reads it.
 READ_UNTESTED: dict[str, str] = {
-    f"{_Z}.offload_optimizer.pipeline_write": "dscompile/runtime/offload/optimizer.py",
-    f"{_Z}.offload_optimizer.cpuadam_cores_perc": "dscompile/runtime/offload/optimizer.py",
+    f"{_Z}.offload_optimizer.pipeline_write": "dscompile/runtime/offload/nvme.py",
+    f"{_Z}.offload_optimizer.cpuadam_cores_perc": "dscompile/runtime/offload/host.py",
     f"{_Z}.override_module_apply": "dscompile/runtime/zero_init.py",
     "aio.intra_op_parallelism": "dscompile/runtime/offload/swap.py",
     "bf16.check_grad_overflow": "passes/mixed_precision.py",

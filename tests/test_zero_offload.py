@@ -27,7 +27,7 @@ from test_zero import _case, _config, _micro_batch, assert_params_close, referen
 import dscompile
 from dscompile.config import load_config
 from dscompile.errors import DSCompileConfigError, DSCompileError
-from dscompile.runtime.offload import SwapDirectory, SwapError
+from dscompile.runtime.offload import NvmeOffloadedOptimizer, SwapDirectory, SwapError
 from dscompile.runtime.offload.swap import ALIGN, align_up, aligned_buffer
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
@@ -103,8 +103,9 @@ def offload_matrix_rank(rank: int, world: int, stage: int, precision: str, nvme_
             entry["counters"] = ext.counters()
             entry["file_bytes"] = opt.swap_file_bytes()
             entry["expected_file_bytes"] = opt.expected_swap_bytes()
-            entry["masters_in_files"] = opt.masters_in_files
-            entry["tile_payload"] = sum((3 if opt.masters_in_files else 2) * align_up(4 * p.numel) for p in opt.pieces)
+            if isinstance(opt, NvmeOffloadedOptimizer):
+                entry["masters_in_files"] = opt.masters_in_files
+                entry["tile_payload"] = sum((3 if opt.masters_in_files else 2) * align_up(4 * p.numel) for p in opt.pieces)
             entry["pieces"] = len(opt.pieces)
             entry["offloaded_shard_elements"] = sum(opt.shards[i].numel() for i in opt.offloaded)
             entry["partition_elements"] = sum(s.numel() for s in engine.zero.shards)
@@ -596,7 +597,7 @@ def test_offloaded_optimizer_alone_matches_and_round_trips(tmp_path: Path, devic
     """The copy path an accelerator takes (separate host masters, gradients copied into host buffers, parameters
     copied back), unused parameters, a changed learning rate, a parameter changed outside the optimizer, and
     state_dict/load_state_dict into a fresh offloaded optimizer: all bitwise equal to plain AdamW."""
-    from dscompile.runtime.offload import OffloadedOptimizer, OffloadSettings
+    from dscompile.runtime.offload import OffloadSettings, build_offloaded_optimizer
 
     torch.manual_seed(0)
     init = [torch.randn(n) for n in (700, 33, 1000)]
@@ -604,7 +605,7 @@ def test_offloaded_optimizer_alone_matches_and_round_trips(tmp_path: Path, devic
     mine = [torch.nn.Parameter(t.clone()) for t in init]
     ref = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
     settings = OffloadSettings(device=device, nvme_path=str(tmp_path), tile_elements=256, buffer_count=2, separate_master=True)
-    opt = OffloadedOptimizer(torch.optim.AdamW(mine, lr=1e-2, weight_decay=0.1), mine, settings)
+    opt = build_offloaded_optimizer(torch.optim.AdamW(mine, lr=1e-2, weight_decay=0.1), mine, settings)
 
     def step(k: int) -> None:
         for i, (a, b) in enumerate(zip(plain, mine, strict=True)):
@@ -634,7 +635,7 @@ def test_offloaded_optimizer_alone_matches_and_round_trips(tmp_path: Path, devic
     fresh = [torch.nn.Parameter(p.detach().clone()) for p in mine]
     settings2 = OffloadSettings(device=device, nvme_path=str(tmp_path / "again"), tile_elements=256, separate_master=True)
     (tmp_path / "again").mkdir()
-    again = OffloadedOptimizer(torch.optim.AdamW(fresh, lr=1e-2, weight_decay=0.1), fresh, settings2)
+    again = build_offloaded_optimizer(torch.optim.AdamW(fresh, lr=1e-2, weight_decay=0.1), fresh, settings2)
     again.load_state_dict(saved)
     mine[:] = fresh
     opt = again

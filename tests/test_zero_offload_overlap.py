@@ -21,7 +21,7 @@ import torch
 from test_zero import _case, _config, _micro_batch
 
 import dscompile
-from dscompile.runtime.offload.optimizer import OffloadedOptimizer
+from dscompile.runtime.offload import NvmeOffloadedOptimizer, OffloadedOptimizer
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
 STEPS = 3
@@ -71,8 +71,9 @@ def _train(engine: Any, case: Any, rank: int, early: bool = True, gas: int = GAS
     if ext is not None:
         opt = ext.optimizer
         out["counters"] = ext.counters()
-        out["host_shards"] = len(opt._tiles_of) if opt.swap is not None else len(opt.pieces)
-        out["tiles"] = len(opt.tiles)
+        nvme = isinstance(opt, NvmeOffloadedOptimizer)
+        out["host_shards"] = len(opt._tiles_of) if nvme else len(opt.pieces)
+        out["tiles"] = len(opt.tiles) if nvme else 0
     param_ext = engine.extension("zero_offload_param")
     if param_ext is not None:
         out["param_counters"] = param_ext.counters()
@@ -221,7 +222,7 @@ def test_graph_hands_off_after_the_last_read_of_an_in_place_shard(monkeypatch: p
     import dataclasses
 
     from dscompile import pipeline
-    from dscompile.runtime.offload.optimizer import OFFLOAD_GRADIENT
+    from dscompile.runtime.offload.gradient_sink import OFFLOAD_GRADIENT
 
     info = pipeline.get_pass("offload_gradients")
     seen: list[torch.fx.GraphModule] = []
@@ -286,9 +287,9 @@ def test_nvme_tiles_step_during_backward_bitwise(stage: int, tmp_path: Any) -> N
 
 def test_nvme_early_tile_with_partial_gradient_is_caught(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check above fails if a tile steps on the micro-batch's own gradient without the accumulated ones."""
-    right = OffloadedOptimizer._hand_off_nvme
+    right = NvmeOffloadedOptimizer._early_hand_off
 
-    def forgetful(self: OffloadedOptimizer, i: int, grad: torch.Tensor) -> None:
+    def forgetful(self: NvmeOffloadedOptimizer, i: int, grad: torch.Tensor) -> None:
         shard = self.shards[i]
         saved, shard.grad = shard.grad, None
         try:
@@ -297,6 +298,6 @@ def test_nvme_early_tile_with_partial_gradient_is_caught(tmp_path: Any, monkeypa
             shard.grad = saved
 
     reference = _train(*_engine(3, False, "eager"), 0)
-    monkeypatch.setattr(OffloadedOptimizer, "_hand_off_nvme", forgetful)
+    monkeypatch.setattr(NvmeOffloadedOptimizer, "_early_hand_off", forgetful)
     run = _train(*_engine(3, str(tmp_path), "eager"), 0)
     assert not _bitwise(reference, run)

@@ -19,7 +19,7 @@ The authoritative copy lives in a host tensor (``device: cpu``, pinned when aske
   at most ``write_behind`` of them, on their own threads): the next read of the same shard is queued
   behind its write, a read of it started earlier is dropped as stale, and nothing else waits for them.
   Checkpoints and ``full_parameters`` (``resident()`` of every shard) wait for every write.
-  With ``offload_optimizer`` the step does this tile by tile (``OffloadedOptimizer.residency``). When
+  With ``offload_optimizer`` the step does this tile by tile (``OffloadedOptimizer.residency``, set to ``resident``). When
   the NVMe optimizer steps its tiles in backward (``in_backward``), a shard's step read follows closely the
   backward load that gathered it: the order recorded at the first step marks such loads, and their buffer
   is kept (at most ``KEEP_LIMIT``) and copied for the step instead of reading the file again.

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from dscompile.errors import DSCompileConfigError
+from dscompile.runtime.offload.optimizer import OffloadedOptimizer
 
 
 class OffloadDeviceEnum(str, Enum):
@@ -100,7 +101,7 @@ def check_offload_request(engine: Any, device: Any) -> None:
         )
     if OffloadDeviceEnum(device) is not OffloadDeviceEnum.cpu:
         raise DSCompileConfigError("offload_states(device=...)", f"only OffloadDeviceEnum.cpu is supported, got {device}", "pass device=OffloadDeviceEnum.cpu")
-    if type(engine.optimizer).__name__ == "OffloadedOptimizer":
+    if isinstance(engine.optimizer, OffloadedOptimizer):
         raise DSCompileConfigError(
             "offload_states",
             "the optimizer states are already offloaded (zero_optimization.offload_optimizer), as DeepSpeed also refuses",
