@@ -45,6 +45,8 @@ def test_deepspeed_layer_spec_fields_are_checked_against_the_split() -> None:
     with pytest.raises(DSCompileConfigError, match="parts"):  # the graph cut it in three equal parts
         check_layer_specs({"qkv_proj.weight": SliceSpec(dim=0, blocks=3)}, set(), pc, ["qkv_proj.weight"], None)
     assert check_layer_specs({"qkv_proj.weight": SliceSpec(dim=0, blocks=3)}, set(), _specs({**qkv, "shape": [3, -1]}), ["qkv_proj.weight"], None) is None
+    # a Python config (DeepSpeedExamples' custom_patterns) writes the shape as tuples: the same spec
+    check_layer_specs(slices, {"q_norm.weight"}, _specs({**qkv, "shape": ((4, 2, 2), -1)}, norm), ["qkv_proj.weight", "q_norm.weight"], None)
     with pytest.raises(DSCompileConfigError, match="every rank computes all of it"):
         check_layer_specs({}, set(), pc, ["q_norm.weight"], None)
     with pytest.raises(DSCompileConfigError, match="along dim 1"):

@@ -36,6 +36,8 @@ class LayerSpec:
             raise DSCompileConfigError(f"{path}.partition_type", f"{self.partition_type!r} is not a partition type", "use column, row or skip")
         if self.grad_allreduce and self.partition_type != "skip":
             raise DSCompileConfigError(f"{path}.grad_allreduce", "applies to skip specs only (a split weight's gradient is already its own)", "remove it")
+        if isinstance(self.shape, (list, tuple)):  # a Python config writes DeepSpeed's shapes as tuples: ((q, k, v), -1)
+            self.shape = [list(x) if isinstance(x, tuple) else x for x in self.shape]
         if self.shape is not None:
             if len(self.shape) != 2:
                 raise DSCompileNotSupportedError(f"{path}.shape", f"views of a weight as {len(self.shape)}-D sub-parameters (shape {self.shape})")
