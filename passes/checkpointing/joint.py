@@ -99,9 +99,10 @@ class JointInfo:
     # parameter gathers: never saved. MUST_SAVE pins land in ``banned``.
     must_recompute: set[torch.fx.Node] = field(default_factory=set)
 
+
 def analyse_joint(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> JointInfo:
-
-
+    """Split ``gm`` into forward and backward and price every forward value: bytes if saved, FLOPs and seconds if
+    recomputed, why it may not be recomputed, and which values earlier passes pinned."""
     hints = _shape_hints(gm)
     nodes = list(gm.graph.nodes)
     output = next(n for n in reversed(nodes) if n.op == "output")
