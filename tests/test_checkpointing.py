@@ -308,7 +308,7 @@ def test_host_offload_rewrite_keeps_numerics(monkeypatch: pytest.MonkeyPatch) ->
         assert len(copies) == len(moved) == len(names) > 0
         return moved
 
-    monkeypatch.setattr(ckpt, "_offload", offload_even_on_cpu)
+    monkeypatch.setattr(ckpt.partition, "_offload", offload_even_on_cpu)  # where the partition function looks it up
     case = build("llama", n_layers=1)
     result = _compiled_step(case, {"memory_budget": 0.5, "cpu_checkpointing": True})
     assert result[3]["offloaded"]
