@@ -20,7 +20,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.operator_support import OperatorSupport
 
 from dscompile.backends.assignment import REGION_PREFIX, region_report  # noqa: F401  (tests import it from here)
-from dscompile.backends.triton_codegen import (
+from dscompile.backends.triton.emitter import (
     CodegenUnsupported,
     TensorSpec,
     generate_kernel,
