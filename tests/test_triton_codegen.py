@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dscompile.backends.triton import kernel_cache as kc
 from dscompile.backends.triton import lower_regions, triton_decompositions
-from dscompile.backends.triton.emitter import (
+from dscompile.backends.triton.index import (
     FloorDiv,
     ModIndex,
     floordiv,

@@ -17,14 +17,8 @@ import torch
 import torch.fx
 
 from dscompile.backends import register_lowering
-from dscompile.backends.triton.emitter import (
-    CodegenUnsupported,
-    KernelSource,
-    TensorSpec,
-    generate_kernel,
-    output_spec_for,
-    region_parts,
-)
+from dscompile.backends.triton.generate import generate_kernel, region_parts
+from dscompile.backends.triton.specs import CodegenUnsupported, KernelSource, TensorSpec, output_spec_for
 
 log = logging.getLogger("dscompile.backends.triton")
 
