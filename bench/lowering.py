@@ -39,7 +39,7 @@ def _time(model, batch, steps: int) -> float:
 
 
 def bench(name: str, seq_len: int, steps: int) -> dict:
-    from dscompile.backends import triton_kernels_cache as kc
+    from dscompile.backends.triton import kernel_cache as kc
     from dscompile.zoo import build
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dscompile.errors import DSCompileError
 
     args = build_parser().parse_args(argv)
-    from dscompile.backends.triton_kernels_cache import interpret_without_gpu
+    from dscompile.backends.triton.kernel_cache import interpret_without_gpu
 
     interpret_without_gpu()  # Triton kernels (lower=triton, sparse attention) need it before triton is imported
     try:

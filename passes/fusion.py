@@ -20,15 +20,9 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.operator_support import OperatorSupport
 
 from dscompile.backends.assignment import REGION_PREFIX, region_report  # noqa: F401  (tests import it from here)
-from dscompile.backends.triton_codegen import (
-    CodegenUnsupported,
-    TensorSpec,
-    generate_kernel,
-    is_compute,
-    is_view,
-    output_spec_for,
-    unsupported_reason,
-)
+from dscompile.backends.triton.generate import generate_kernel
+from dscompile.backends.triton.specs import CodegenUnsupported, TensorSpec, output_spec_for
+from dscompile.backends.triton.support import is_compute, is_view, unsupported_reason
 from dscompile.graph import ds_meta, is_collective
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 

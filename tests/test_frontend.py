@@ -88,7 +88,7 @@ def test_options_from_config_file_and_textual_pipeline(tmp_path):
 def test_the_triton_lowering_gets_its_regions_from_a_pipeline_without_fuse():
     """``lower(triton)`` compiles the ``fuse`` pass's regions: a textual pipeline that leaves the pass out still gets
     them (the frontend runs the lowering's required passes), so the graphs run generated kernels, equal to eager."""
-    from dscompile.backends.triton_kernels_cache import LOWERED_GRAPHS
+    from dscompile.backends.triton.kernel_cache import LOWERED_GRAPHS
 
     LOWERED_GRAPHS.clear()
     torch._dynamo.reset()

@@ -16,9 +16,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dscompile.backends import triton_kernels_cache as kc
+from dscompile.backends.triton import kernel_cache as kc
 from dscompile.backends.triton import lower_regions, triton_decompositions
-from dscompile.backends.triton_codegen import (
+from dscompile.backends.triton.index import (
     FloorDiv,
     ModIndex,
     floordiv,

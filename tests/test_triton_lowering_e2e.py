@@ -14,7 +14,7 @@ import copy
 
 import pytest
 
-from dscompile.backends import triton_kernels_cache as kc
+from dscompile.backends.triton import kernel_cache as kc
 from dscompile.zoo import build
 
 SMALL = {

@@ -44,6 +44,7 @@ PACKAGES = (
     "dscompile.integrations",
     "dscompile.passes",
     "dscompile.backends",
+    "dscompile.backends.triton",
     "dscompile.kernels",
 )
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dscompile.backends.triton_codegen import KernelSource
+from dscompile.backends.triton.specs import KernelSource
 
 
 @dataclass

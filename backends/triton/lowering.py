@@ -17,14 +17,8 @@ import torch
 import torch.fx
 
 from dscompile.backends import register_lowering
-from dscompile.backends.triton_codegen import (
-    CodegenUnsupported,
-    KernelSource,
-    TensorSpec,
-    generate_kernel,
-    output_spec_for,
-    region_parts,
-)
+from dscompile.backends.triton.generate import generate_kernel, region_parts
+from dscompile.backends.triton.specs import CodegenUnsupported, KernelSource, TensorSpec, output_spec_for
 
 log = logging.getLogger("dscompile.backends.triton")
 
@@ -53,7 +47,7 @@ def triton_decompositions() -> dict:
     ``gelu`` and ``silu`` stay whole: the codegen has rules for them and the matmul-epilogue
     template matches them as activations.
     """
-    from dscompile.backends.triton_kernels_cache import ensure_runnable
+    from dscompile.backends.triton.kernel_cache import ensure_runnable
 
     ensure_runnable()  # before Inductor's import pulls in triton
     from dscompile.backends.inductor import inductor_decomposition_table
@@ -77,7 +71,7 @@ class TritonRegion(torch.nn.Module):
         self.variants: dict[tuple, Any] = {tuple(src.input_specs): kernel}
 
     def forward(self, *args: Any) -> Any:
-        from dscompile.backends.triton_kernels_cache import get_kernel
+        from dscompile.backends.triton.kernel_cache import get_kernel
 
         specs = tuple(TensorSpec.of(a) for a in args)
         kernel = self.variants.get(specs)
@@ -94,7 +88,7 @@ class TritonRegion(torch.nn.Module):
 
 
 def _compile_region(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule) -> tuple[Any, KernelSource]:
-    from dscompile.backends.triton_kernels_cache import get_kernel
+    from dscompile.backends.triton.kernel_cache import get_kernel
 
     placeholders, nodes, outputs, is_tuple = region_parts(sub)
     input_specs = [TensorSpec.of(a.meta["val"]) for a in node.args]
@@ -134,7 +128,7 @@ def lower_triton(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: A
     """Fused regions become generated Triton kernels; matmuls and the rest run as aten calls."""
     from torch._functorch.aot_autograd import make_boxed_func
 
-    from dscompile.backends.triton_kernels_cache import interpreting
+    from dscompile.backends.triton.kernel_cache import interpreting
 
     devices = {a.device.type for a in example_inputs if isinstance(a, torch.Tensor)}
     if devices == {"cpu"} and torch.cuda.is_available() and not interpreting():
@@ -143,7 +137,7 @@ def lower_triton(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: A
         return make_boxed_func(gm.forward)
     results = lower_regions(gm, ctx)
     gm.recompile()
-    from dscompile.backends.triton_kernels_cache import LOWERED_GRAPHS
+    from dscompile.backends.triton.kernel_cache import LOWERED_GRAPHS
 
     sources = [r for r in results.values() if isinstance(r, KernelSource)]
     templates = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("dscompile", {}).get("kernel") == "matmul_epilogue")
@@ -154,7 +148,7 @@ def lower_triton(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: A
         dump = getattr(getattr(ctx, "config", None), "dump", None)
         if dump:
             from dscompile.backends.assignment import region_report
-            from dscompile.backends.triton_kernels_cache import write_dump
+            from dscompile.backends.triton.kernel_cache import write_dump
 
             path = write_dump(sources, dump, ctx.graph_name)
             (path.parent / "regions.txt").write_text(region_report(gm))
