@@ -43,6 +43,8 @@ PACKAGES = (
     "dscompile.zoo",
     "dscompile.integrations",
     "dscompile.passes",
+    "dscompile.passes.tensor_parallel",
+    "dscompile.passes.checkpointing",
     "dscompile.backends",
     "dscompile.backends.triton",
     "dscompile.kernels",
