@@ -60,18 +60,21 @@ def test_rank_environment_and_user_env() -> None:
         assert r["DSCOMPILE_SELFTEST"] == "yes" and r["OMP_NUM_THREADS"] == "1"
 
 
-def test_ranks_fork_from_the_preloaded_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forked ranks skip the per-rank imports; a variable set after the server started must still reach
-    the ranks (the run spawns instead), and the parent's sys.path must reach forked ranks."""
+def test_ranks_fork_from_a_server_started_with_the_current_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forked ranks skip the per-rank imports. A variable set after the server started must reach the ranks'
+    imports too, so the server restarts; a run with its own env spawns; the parent's sys.path reaches forked ranks."""
     key = "DSCOMPILE_SELFTEST_LATE"
     monkeypatch.delenv(key, raising=False)
-    run_distributed(_selftest.all_reduce_sum, 2, 1, timeout=120)  # starts the server with today's environment
-    forked = run_distributed(_selftest.report_start, 2, key, timeout=120)
-    assert all(r["parent"] != os.getpid() and r["value"] is None for r in forked), forked
-    assert [r["rank_env"] for r in forked] == ["0", "1"]
+    first = run_distributed(_selftest.report_start, 2, key, timeout=120)
+    again = run_distributed(_selftest.report_start, 2, key, timeout=120)
+    assert all(r["parent"] != os.getpid() and r["value"] is None for r in first + again), first + again
+    assert [r["rank_env"] for r in first] == ["0", "1"]
+    assert {r["parent"] for r in first} == {r["parent"] for r in again}, "the same server forks both runs"
     monkeypatch.setenv(key, "late")
-    spawned = run_distributed(_selftest.report_start, 2, key, timeout=120)
-    assert all(r["parent"] == os.getpid() and r["value"] == "late" for r in spawned), spawned
+    restarted = run_distributed(_selftest.report_start, 2, key, timeout=120)
+    assert all(r["value"] == "late" and r["parent"] not in (os.getpid(), first[0]["parent"]) for r in restarted), restarted
+    spawned = run_distributed(_selftest.report_start, 2, key, timeout=120, env={key: "own"})
+    assert all(r["parent"] == os.getpid() and r["value"] == "own" for r in spawned), spawned
 
 
 def test_exception_on_rank_one_is_reported_with_traceback(tmp_path: Path) -> None:

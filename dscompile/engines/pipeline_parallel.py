@@ -381,10 +381,9 @@ class PipelineEngine(EngineCore):
     def _stage_config(self) -> DSConfig:
         """The config the stage graphs compile with: ZeRO-1 is the engine's job here, not a graph pass, and
         tensor parallelism has already split the graph the stages are cut from."""
-        sections = {k: v for k, v in self.config.sections.items() if k not in ("zero_optimization", "tensor_parallel")}
-        tc = self.config.sections.get("tensor_parallel")
-        if tc is not None and tc.tp_overlap_comm:  # the split is done (autotp_size 1); the tp_overlap pass reads the flag
-            sections["tensor_parallel"] = dataclasses.replace(tc, autotp_size=1)
+        from dscompile.passes.tensor_parallel import split_graph_sections
+
+        sections = split_graph_sections({k: v for k, v in self.config.sections.items() if k != "zero_optimization"})
         return dataclasses.replace(self.config, sections=sections)
 
     @property

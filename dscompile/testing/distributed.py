@@ -18,12 +18,14 @@ races, and it outlives any rank), watches every rank's result pipe and process s
 all ranks as soon as one fails, and kills everything at the deadline, reporting where the
 stuck ranks were (a faulthandler stack dump) before killing them. Ranks are forked from a server that
 imported torch, Inductor and dscompile once (a fresh interpreter per rank cost about 5 CPU-seconds of
-imports, and the suite starts hundreds of ranks); a run with its own `env` still spawns.
+imports, and the suite starts hundreds of ranks); the server restarts when the environment changed, and a run
+with its own `env` still spawns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -40,6 +42,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 MASTER_ADDR = "127.0.0.1"
+_log = logging.getLogger("dscompile.testing.distributed")
 FAILURE_GRACE_S = 0.75
 """After the first failure, how long to keep listening so the root cause can be told apart
 from its echoes (peers failing with 'connection closed' because the first rank died)."""
@@ -266,11 +269,11 @@ def _import_time_environ() -> dict[str, str]:
 
 
 def _rank_context(env: Mapping[str, str] | None) -> Any:
-    """Fork ranks from a server that has imported the heavy modules, unless the imports could differ.
+    """Fork ranks from a server that has imported the heavy modules with this process's environment.
 
-    Modules read some variables when they are imported (TRITON_INTERPRET, Inductor's config), so a run
-    with its own `env`, or after this process's environment changed since the server started, spawns
-    fresh interpreters instead. DSCOMPILE_RANK_START=spawn forces spawning."""
+    Modules read some variables when they are imported (TRITON_INTERPRET, Inductor's config), so the server
+    is restarted when the environment changed since it started (a test or a library set a variable), and a
+    run with its own `env` spawns fresh interpreters. DSCOMPILE_RANK_START=spawn forces spawning."""
     import multiprocessing as mp
     from multiprocessing import forkserver
 
@@ -278,13 +281,20 @@ def _rank_context(env: Mapping[str, str] | None) -> Any:
     if env or os.environ.get("DSCOMPILE_RANK_START") == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     current = _import_time_environ()
+    if _forkserver_environ is not None and current != _forkserver_environ:
+        stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own restart path (3.8+)
+        if stop is None:
+            return mp.get_context("spawn")
+        changed = sorted(k for k in current.keys() | _forkserver_environ.keys() if current.get(k) != _forkserver_environ.get(k))
+        _log.debug("environment changed (%s): restarting the rank fork server", ", ".join(changed))
+        stop()
+        _forkserver_environ = None
+    ctx = mp.get_context("forkserver")
     if _forkserver_environ is None:
-        ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         forkserver.ensure_running()
         _forkserver_environ = current
-        return ctx
-    return mp.get_context("forkserver") if current == _forkserver_environ else mp.get_context("spawn")
+    return ctx
 
 
 @contextlib.contextmanager
