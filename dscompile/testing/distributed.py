@@ -181,7 +181,6 @@ def run_distributed(
             "fn must be a module-level function in an importable module and args must be picklable"
         ) from exc
 
-
     import torch.distributed as dist
 
     store = dist.TCPStore(
@@ -525,7 +524,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # it exists, owned by another user
     return True
 
 
