@@ -6,7 +6,7 @@ import argparse
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from ds_models import Discriminator, Generator, report
+from ds_models import Discriminator, Generator, end_reference_run, report
 
 parser = argparse.ArgumentParser(description="GAN")
 parser.add_argument("--local_rank", type=int, default=-1)
@@ -57,3 +57,4 @@ for step in range(args.steps):
     if rank == 0:
         print(f"step {step} errD {record['errD'][-1]:.6f} errG {record['errG'][-1]:.6f}", flush=True)
 report(args.out, record)
+end_reference_run()
