@@ -39,21 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dscompile.runtime.offload.host import OffloadSettings, Piece
+from dscompile.runtime.offload.host import Piece
 from dscompile.runtime.offload.optimizer import OffloadedOptimizer
 
 
 class CpuOffloadedOptimizer(OffloadedOptimizer):
     """The offloaded part's masters and states in host memory; early steps on a worker thread (module docstring)."""
 
-    def __init__(
-        self,
-        sharded: torch.optim.Optimizer,
-        shards: list[nn.Parameter],
-        settings: OffloadSettings,
-        rank: int = 0,
-        chosen: list[nn.Parameter] | None = None,
-    ) -> None:
+    def _init_state(self) -> None:
         self._host_grads: dict[int, torch.Tensor] = {}
         """Shard index -> the host buffer its gradient is copied into (shards with a separate master), reused every step."""
         self._copied: dict[int, tuple[torch.Tensor, int]] = {}
@@ -65,7 +58,6 @@ class CpuOffloadedOptimizer(OffloadedOptimizer):
         self._early_started: set[int] = set()
         self._early_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
-        super().__init__(sharded, shards, settings, rank=rank, chosen=chosen)
 
     # -- construction ----------------------------------------------------------------------------
     def _init_host(self, group_of: dict[int, int], rank: int) -> None:

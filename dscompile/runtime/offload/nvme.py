@@ -33,10 +33,9 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch import nn
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.runtime.offload.host import OffloadSettings, Piece, state_slots
+from dscompile.runtime.offload.host import Piece, state_slots
 from dscompile.runtime.offload.optimizer import OffloadedOptimizer
 from dscompile.runtime.offload.swap import ALIGN, SwapDirectory, aligned_buffer
 from dscompile.runtime.offload.tiles import Tile, cut_tiles, lay_out, read_states, segment, state_segments, write_masters, write_states
@@ -47,14 +46,7 @@ log = logging.getLogger("dscompile.offload")
 class NvmeOffloadedOptimizer(OffloadedOptimizer):
     """The offloaded part's states in swap files, streamed through ``buffer_count`` tile buffers (module docstring)."""
 
-    def __init__(
-        self,
-        sharded: torch.optim.Optimizer,
-        shards: list[nn.Parameter],
-        settings: OffloadSettings,
-        rank: int = 0,
-        chosen: list[nn.Parameter] | None = None,
-    ) -> None:
+    def _init_state(self) -> None:
         self.tiles: list[Tile] = []
         self.slots: list[list[tuple[str, torch.dtype]]] = []
         """Each param group's element-wise states (name, dtype), in the order their segments follow in a tile."""
@@ -83,7 +75,6 @@ class NvmeOffloadedOptimizer(OffloadedOptimizer):
         self._order_now: list[int] = []
         self._in_use = 0  # the buffer of the tile being stepped early
         self.early_tiles = 0
-        super().__init__(sharded, shards, settings, rank=rank, chosen=chosen)
 
     # -- construction ----------------------------------------------------------------------------
     def _init_host(self, group_of: dict[int, int], rank: int) -> None:

@@ -51,6 +51,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         rank: int = 0,
         chosen: list[nn.Parameter] | None = None,
     ) -> None:
+        self._init_state()
         if sharded.state:
             raise DSCompileConfigError("optimizer", "already holds state; offload must take it over before the first step", "build the engine before training")
         self.cls = type(sharded)
@@ -113,6 +114,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.sink = gradient_sink.register(self)
 
     # -- what a subclass provides ----------------------------------------------------------------
+    def _init_state(self) -> None:
+        """Declare the subclass's own fields: called first, before the base places anything on the host."""
+
     def _init_host(self, group_of: dict[int, int], rank: int) -> None:
         """Place the offloaded shards' masters and states (``self.pieces``, before the host optimizer is built)."""
         raise NotImplementedError
