@@ -32,6 +32,7 @@ from dscompile.pipeline import (
     pipeline_from_config,
     pipeline_lowering,
 )
+from dscompile.planner import PlannedConfig, compiling_under
 from dscompile.runtime.comm_stats import count_graph_runs, graph_collectives
 
 log = logging.getLogger("dscompile.frontend")
@@ -360,7 +361,8 @@ def dscompile_backend(
     """The torch.compile backend registered as ``"dscompile"``.
 
     ``options`` is a DeepSpeed-style config dict, ``{"config": "ds_config.json"}``, a DSConfig, or
-    ``{"pipeline": "pass(opt=1),...,lower(eager)"}``. ``mode`` is torch.compile's: with the inductor
+    ``{"pipeline": "pass(opt=1),...,lower(eager)"}``; an engine gives a ``planner.PlannedConfig`` (its config and
+    its plan, which the config rules then read). ``mode`` is torch.compile's: with the inductor
     lowering its option set (``torch._inductor.list_mode_options``: CUDA graphs for
     ``"reduce-overhead"``, autotuning for ``"max-autotune"``) applies to every graph's Inductor
     compile; the other lowerings refuse a mode other than ``"default"``.
@@ -369,6 +371,9 @@ def dscompile_backend(
         from dscompile.errors import DSCompileConfigError
 
         raise DSCompileConfigError(next(iter(unexpected)), "is not an argument of the dscompile backend", "pass settings inside options={...}")
+    plan = None
+    if isinstance(options, PlannedConfig):  # an engine's: the passes read its plan
+        options, plan = options.config, options.plan
     config = load_config(options)
     tp = config.sections.get("tensor_parallel")
     engine_only = {
@@ -383,7 +388,8 @@ def dscompile_backend(
             from dscompile.errors import DSCompileConfigError
 
             raise DSCompileConfigError(key, why, "use dscompile.initialize(model=..., config=...)")
-    invocations = pipeline_from_config(config)
+    with compiling_under(plan):
+        invocations = pipeline_from_config(config)
     dumper = None
     if config.dump:
         from dscompile.dump import Dumper

@@ -2,8 +2,13 @@
 
 ``plan_parallel`` decides, from the config and the world size before compiling, the ``ParallelPlan`` every engine
 holds (``engine.plan``): the one rank layout (``ParallelLayout``: pipeline stages outermost, tensor parallelism
-innermost, DeepSpeed's order), the effective ZeRO stage and who carries it out, what is offloaded, whether ZeRO-3
-prefetches and reductions overlap, and the activation-checkpointing policy. ``dscompile plan`` and the dump print it.
+innermost, DeepSpeed's order), the effective ZeRO stage and who carries it out, what is offloaded, ZeRO's
+communication schedule (``ZeroSchedule``: bucket sizes, the ZeRO-3 prefetch window, live-parameter and reuse limits,
+the unshard budget, whether reductions overlap, profiling) and the activation-checkpointing plan
+(``CheckpointingPlan``). ``dscompile plan`` and the dump print it. The passes read their part from it, not from the
+config: an engine compiles with ``options=PlannedConfig(config, plan)``, the backend builds the pipeline
+``compiling_under(plan)``, and the config rules ask ``zero_schedule_of`` / ``checkpointing_of``, which decide from the
+config alone under a plain ``torch.compile``.
 
 The placement part below decides where model states live (device, host or NVMe) before the first step.
 
@@ -36,6 +41,9 @@ What it does not model yet: activations and temporary buffers (the cost model's 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -389,6 +397,130 @@ def plan_param_offload(
     return plan
 
 
+# -- the ZeRO communication schedule and activation checkpointing ---------------------------------
+@dataclass(frozen=True)
+class ZeroSchedule:
+    """ZeRO's communication schedule (sizes in elements, as DeepSpeed counts them): what the ``zero``,
+    ``zero_bucketing``, ``zero_prefetch`` and ``zero_overlap`` passes are given (``passes/zero.py``'s config rule
+    reads it from the plan), and the bucket of the reductions done outside the graphs (ZeRO-1, ``runtime/zero_extension.py``).
+
+    ``plan_zero_schedule`` decides it from the config; ``profile_steps`` > 0 re-plans it once from measurements
+    (``runtime/zero_profile.py``), and the engine swaps the new one into ``engine.plan`` before recompiling.
+    """
+
+    stage: int = 0  # the ZeRO stage; the graphs carry ZeRO's collectives from stage 2 (ZeRO-1 reduces outside them)
+    allgather_bucket_elements: int = 0  # cap on one bucketed all-gather (allgather_bucket_size)
+    reduce_bucket_elements: int = 0  # cap on one bucketed reduce-scatter, and reduce-scatter elements in flight
+    prefetch_elements: int = 0  # ZeRO-3: all-gather elements issued ahead of their use (stage3_prefetch_bucket_size)
+    max_live_parameters: int = 0  # ZeRO-3: gathered elements alive at once (prefetch window) and kept from forward to backward
+    max_reuse_distance: int = 0  # ZeRO-3: a parameter reused within this many elements stays gathered into backward
+    unshard_budget: int = 0  # ZeRO-3: elements of the largest other gathers kept from forward to backward
+    overlap_comm: bool = False  # reduce-scatter waits sink towards their consumers (stage 2-3)
+    profile_steps: int = 0  # steps to time before re-planning this schedule from the measurements (0: never)
+
+    @property
+    def in_graphs(self) -> bool:
+        """True when the compiled graphs carry ZeRO's collectives (stages 2 and 3)."""
+        return self.stage >= 2
+
+    @property
+    def gather_bucket_elements(self) -> int:
+        """The all-gather bucket the graphs use: under ZeRO-3 at most a prefetch window at once (a bigger all-gather
+        bucket would gather more than the window and undo the sharding)."""
+        bucket = min(self.allgather_bucket_elements, self.prefetch_elements) if self.stage == 3 else self.allgather_bucket_elements
+        return max(1, bucket)
+
+    def text(self) -> str:
+        """The plan's lines for the schedule (``dscompile plan``, the dump)."""
+        prefetch = f"ZeRO-3 all-gathers up to {self.prefetch_elements} elements ahead" if self.stage == 3 and self.prefetch_elements else "none"
+        lines = [f"prefetch: {prefetch}; overlap_comm {'on' if self.overlap_comm else 'off'}"]
+        if self.in_graphs:
+            line = f"ZeRO buckets: all-gather {self.gather_bucket_elements} elements, reduce-scatter {self.reduce_bucket_elements} elements"
+            if self.stage == 3:
+                line += (
+                    f"; live parameters <= {self.max_live_parameters} elements, kept gathered when reused within "
+                    f"{self.max_reuse_distance} elements, unshard budget {self.unshard_budget} elements"
+                )
+            lines.append(line)
+            if self.profile_steps:
+                lines.append(f"ZeRO schedule re-planned from {self.profile_steps} profiled step(s), then recompiled once")
+        elif self.stage == 1:
+            lines.append(f"ZeRO buckets: reduce-scatter {self.reduce_bucket_elements} elements (outside the graphs)")
+        return "\n".join(lines)
+
+
+def plan_zero_schedule(config: Any) -> ZeroSchedule:
+    """ZeRO's communication schedule for ``config`` (a loaded ``DSConfig``), from its ``zero_optimization`` section.
+
+    It does not depend on the world size, so a plain ``torch.compile(backend="dscompile")`` (no engine, no plan)
+    gets the same schedule an engine would.
+    """
+    zc = getattr(config, "sections", {}).get("zero_optimization")
+    if zc is None or zc.stage == 0:
+        return ZeroSchedule()
+    stage = int(zc.stage)
+    return ZeroSchedule(
+        stage=stage,
+        allgather_bucket_elements=int(zc.allgather_bucket_size),
+        reduce_bucket_elements=int(zc.reduce_bucket_size),
+        prefetch_elements=int(zc.stage3_prefetch_bucket_size),
+        max_live_parameters=int(zc.stage3_max_live_parameters),
+        max_reuse_distance=int(zc.stage3_max_reuse_distance),
+        unshard_budget=int(zc.unshard_budget),
+        overlap_comm=bool(zc.overlap_comm) and stage >= 2,
+        profile_steps=int(zc.profile_steps),
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointingPlan:
+    """What forward saves and backward recomputes: the ``checkpoint`` pass's options (``passes/checkpointing``'s config
+    rule reads them from the plan), or the pipeline's recompute interval."""
+
+    policy: str | None = None  # none, full, selective or budget; None: no activation_checkpointing section, no pass
+    memory_budget: float | None = None  # policy budget: the share (0..1) of the bytes saved without checkpointing kept
+    number_checkpoints: int = 0  # policy full: checkpointed segments (0: one per block)
+    cpu_offload: bool = False  # saved activations go to host memory
+    partition_activations: bool = False  # saved activations sharded across partition_group_size ranks
+    partition_group_size: int = 0
+    profile: bool = False  # log each graph's decision
+    synchronize_boundary: bool = False
+    pipeline_interval: int = 0  # pipeline stages recompute every this many layers in backward (0: not a pipeline's)
+
+    def text(self) -> str:
+        if self.policy is not None:
+            out = f"policy {self.policy}" + (f", memory budget {self.memory_budget}" if self.memory_budget is not None else "")
+            if self.number_checkpoints:
+                out += f", {self.number_checkpoints} segments"
+            if self.cpu_offload:
+                out += ", saved activations on the host"
+            if self.partition_activations:
+                out += f", saved activations partitioned across {self.partition_group_size or 'the'} ranks"
+            return out
+        if self.pipeline_interval:
+            return f"pipeline stages recompute every {self.pipeline_interval} layer(s) in backward"
+        return "none"
+
+
+def plan_activation_checkpointing(config: Any) -> CheckpointingPlan:
+    """The checkpointing plan of ``config``: its ``activation_checkpointing`` section, else the pipeline's interval."""
+    sections = getattr(config, "sections", {})
+    ac = sections.get("activation_checkpointing")
+    if ac is not None:
+        return CheckpointingPlan(
+            policy=ac.policy,
+            memory_budget=ac.memory_budget,
+            number_checkpoints=ac.number_checkpoints or 0,
+            cpu_offload=bool(ac.cpu_checkpointing),
+            partition_activations=bool(ac.partition_activations),
+            partition_group_size=ac.partition_group_size or 0,
+            profile=bool(ac.profile),
+            synchronize_boundary=bool(ac.synchronize_checkpoint_boundary),
+        )
+    pipe = sections.get("pipeline_parallel")
+    return CheckpointingPlan(pipeline_interval=int(pipe.activation_checkpoint_interval or 0) if pipe is not None else 0)
+
+
 # -- the parallel plan ---------------------------------------------------------------------------
 ZERO_BY_PARTITION = "zero_partition"
 ZERO_BY_PIPELINE = "pipeline_gradients"
@@ -412,9 +544,8 @@ class ParallelPlan:
     sequence_parallel_size: int = 1
     offload_optimizer: str = "none"  # the device optimizer states go to: none, cpu, nvme
     offload_param: str = "none"  # the device ZeRO-3 parameter shards go to: none, cpu, nvme
-    overlap_comm: bool = False  # gradient reduce-scatters overlap backward (passes/zero_overlap.py)
-    prefetch_bucket_size: int = 0  # ZeRO-3 all-gathers issued ahead of their use (passes/zero_prefetch.py); 0: none
-    checkpointing: str = "none"  # activation_checkpointing's policy (and memory budget), or the pipeline's interval
+    zero_schedule: ZeroSchedule = ZeroSchedule()  # buckets, prefetch, overlap, unsharding: what ZeRO's passes are given
+    checkpointing: CheckpointingPlan = CheckpointingPlan()  # what the checkpoint pass is given, or the pipeline's interval
     optimizer_offload: OffloadPlan | None = None
     param_offload: ParamPlan | None = None
 
@@ -446,9 +577,8 @@ class ParallelPlan:
             "rank order: rank = (stage * data + replica) * tensor + tensor_rank (DeepSpeed's pipe, data, model)",
             f"ZeRO stage {self.zero_stage}, carried out by {who}" + ("" if self.zero_sharded or not self.zero_stage else "; one replica: nothing to shard"),
             f"offload: optimizer states {self.offload_optimizer}, parameters {self.offload_param}",
-            f"prefetch: {f'ZeRO-3 all-gathers up to {self.prefetch_bucket_size} elements ahead' if self.prefetch_bucket_size else 'none'}; "
-            f"overlap_comm {'on' if self.overlap_comm else 'off'}",
-            f"activation checkpointing: {self.checkpointing}",
+            self.zero_schedule.text(),
+            f"activation checkpointing: {self.checkpointing.text()}",
         ]
         if lay.world_size > 1:
             groups = [("tensor", lay.tp_groups()), ("data", lay.dp_groups()), ("pipeline", lay.pp_groups())]
@@ -485,13 +615,6 @@ def plan_parallel(config: Any, world_size: int, tp_size: int | None = None) -> P
     zero_by = ZERO_OFF if stage == 0 else ZERO_BY_PIPELINE if pipe is not None else ZERO_BY_PARTITION
     oc = zc.offload_optimizer if zc is not None and stage > 0 else None
     op = zc.offload_param if zc is not None and stage == 3 else None
-    ac = sections.get("activation_checkpointing")
-    if ac is not None:
-        checkpointing = f"policy {ac.policy}" + (f", memory budget {ac.memory_budget}" if ac.memory_budget is not None else "")
-    elif pipe is not None and pipe.activation_checkpoint_interval:
-        checkpointing = f"pipeline stages recompute every {pipe.activation_checkpoint_interval} layer(s) in backward"
-    else:
-        checkpointing = "none"
     return ParallelPlan(
         layout=layout,
         zero_stage=stage,
@@ -499,10 +622,47 @@ def plan_parallel(config: Any, world_size: int, tp_size: int | None = None) -> P
         sequence_parallel_size=sp,
         offload_optimizer=oc.device if oc is not None and oc.enabled else "none",
         offload_param=op.device if op is not None and op.enabled else "none",
-        overlap_comm=bool(zc.overlap_comm) if zero_by == ZERO_BY_PARTITION and stage >= 2 else False,
-        prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size) if zero_by == ZERO_BY_PARTITION and stage == 3 else 0,
-        checkpointing=checkpointing,
+        zero_schedule=plan_zero_schedule(config),
+        checkpointing=plan_activation_checkpointing(config),
     )
+
+
+@dataclass(frozen=True)
+class PlannedConfig:
+    """``torch.compile``'s ``options`` from an engine: its config and the plan its graphs compile under.
+
+    The backend (``frontend.dscompile_backend``) runs the config rules ``compiling_under(plan)``. Dynamo compares a
+    backend's options to reuse a compile, so a re-planned engine's recompile (same config, new plan) is a new compile.
+    """
+
+    config: Any
+    plan: ParallelPlan
+
+
+_COMPILING_UNDER: ContextVar[ParallelPlan | None] = ContextVar("dscompile_compiling_under", default=None)
+
+
+@contextmanager
+def compiling_under(plan: ParallelPlan | None) -> Iterator[None]:
+    """While the backend builds a pipeline from the config rules: the plan they read (None: no engine, no plan)."""
+    token = _COMPILING_UNDER.set(plan)
+    try:
+        yield
+    finally:
+        _COMPILING_UNDER.reset(token)
+
+
+def zero_schedule_of(config: Any) -> ZeroSchedule:
+    """The ZeRO schedule of the graphs compiled now: the engine's plan's, else (a plain ``torch.compile``) the planner
+    decides it from ``config``."""
+    plan = _COMPILING_UNDER.get()
+    return plan.zero_schedule if plan is not None else plan_zero_schedule(config)
+
+
+def checkpointing_of(config: Any) -> CheckpointingPlan:
+    """The activation-checkpointing plan of the graphs compiled now: the engine's, else decided from ``config``."""
+    plan = _COMPILING_UNDER.get()
+    return plan.checkpointing if plan is not None else plan_activation_checkpointing(config)
 
 
 PLAN_FILE = "plan.txt"

@@ -37,6 +37,7 @@ from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import ds_meta, node_value, set_fake_value
 from dscompile.passes.offload import OffloadOptimizerConfig, OffloadParamConfig
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
+from dscompile.planner import zero_schedule_of
 from dscompile.runtime import zero_ops
 from dscompile.runtime.engine_core import register_engine_extension
 
@@ -290,29 +291,29 @@ def zero_config(config: Any) -> ZeroConfig | None:
 
 @register_config_rule(20, "zero")
 def _zero_rule(config: Any) -> list[Any]:
-    zc = zero_config(config)
-    if zc is None or zc.stage < 2:
+    """ZeRO's passes with the schedule the planner decided (``planner.ZeroSchedule``, the engine's ``plan`` when an
+    engine compiles, re-planned after profiling), never sizes read from the config here."""
+    schedule = zero_schedule_of(config)
+    if not schedule.in_graphs:
         return []  # ZeRO-1 communicates only at the accumulation boundary, outside the graphs
-    # ZeRO-3 gathers at most a prefetch bucket at once: a bigger all-gather bucket would undo the sharding.
-    gather_bucket = min(zc.allgather_bucket_size, zc.stage3_prefetch_bucket_size) if zc.stage == 3 else zc.allgather_bucket_size
     items = [
-        invocation("zero", stage=zc.stage, unshard_budget=zc.unshard_budget, max_reuse_distance=int(zc.stage3_max_reuse_distance),
-                   max_live_parameters=int(zc.stage3_max_live_parameters)),
-        invocation("zero_bucketing", allgather_bucket_size=max(1, gather_bucket), reduce_bucket_size=zc.reduce_bucket_size),
+        invocation("zero", stage=schedule.stage, unshard_budget=schedule.unshard_budget, max_reuse_distance=schedule.max_reuse_distance,
+                   max_live_parameters=schedule.max_live_parameters),
+        invocation("zero_bucketing", allgather_bucket_size=schedule.gather_bucket_elements, reduce_bucket_size=schedule.reduce_bucket_elements),
     ]
-    if zc.stage == 3:
+    if schedule.stage == 3:
         items.append(
             invocation(
                 "zero_prefetch",
-                stage3_prefetch_bucket_size=zc.stage3_prefetch_bucket_size,
-                stage3_max_live_parameters=zc.stage3_max_live_parameters,
+                stage3_prefetch_bucket_size=schedule.prefetch_elements,
+                stage3_max_live_parameters=schedule.max_live_parameters,
             )
         )
-    items.append(invocation("zero_overlap", overlap_comm=bool(zc.overlap_comm), reduce_bucket_size=int(zc.reduce_bucket_size)))
-    if zc.profile_steps > 0:
+    items.append(invocation("zero_overlap", overlap_comm=schedule.overlap_comm, reduce_bucket_size=schedule.reduce_bucket_elements))
+    if schedule.profile_steps > 0:
         items.append(invocation("zero_profile"))
     items.append(invocation("zero_agree"))  # fingerprints the final schedule
-    if zc.profile_steps == 0:  # the profiler times gloo's own collectives
+    if schedule.profile_steps == 0:  # the profiler times gloo's own collectives
         items.append(invocation("zero_gloo"))
     return items
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch.fx
 
 from dscompile.pipeline import PassContext, register_pass
+from dscompile.planner import plan_zero_schedule
 from dscompile.runtime.engine_core import register_engine_extension
 from dscompile.runtime.zero_profile import ZeroProfileExtension, profiler_for
 
@@ -38,5 +39,4 @@ def zero_profile(gm: torch.fx.GraphModule, ctx: PassContext, options: None) -> t
 @register_engine_extension(90, "zero_profile")
 def _zero_profile_extension(config: Any) -> ZeroProfileExtension | None:
     """Engines profile their first ``profile_steps`` steps and re-plan ZeRO once."""
-    section = config.sections.get("zero_optimization")
-    return ZeroProfileExtension(section) if section is not None and section.stage > 0 and section.profile_steps > 0 else None
+    return ZeroProfileExtension() if plan_zero_schedule(config).profile_steps > 0 else None

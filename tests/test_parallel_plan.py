@@ -166,3 +166,176 @@ def test_engine_dump_writes_its_plan(tmp_path) -> None:
     engine = DSCompileEngine(_tiny(), load_config({"lower": "eager", "dump": str(tmp_path), "zero_optimization": {"stage": 2}}), None)
     assert (tmp_path / "plan.txt").read_text() == engine.plan.text() + "\n"
     assert "ZeRO stage 2, carried out by the ZeRO partition (engine.zero)" in engine.plan.text()
+
+
+# -- the plan decides ZeRO's schedule and checkpointing; the passes read it ------------------------------------------
+ZERO3 = {"stage": 3, "allgather_bucket_size": 700, "reduce_bucket_size": 900, "stage3_prefetch_bucket_size": 500,
+         "stage3_max_live_parameters": 4000, "stage3_max_reuse_distance": 30, "unshard_budget": 60, "overlap_comm": False}
+
+
+def _options(invocations: list[Any]) -> dict[str, Any]:
+    return {inv.name: inv.options for inv in invocations}
+
+
+def test_zero3_schedule_is_what_the_passes_receive() -> None:
+    """Every size ZeRO's passes get is the plan's (``ZeroSchedule``); the plan prints them."""
+    from dscompile.config import load_config
+    from dscompile.pipeline import pipeline_from_config
+    from dscompile.planner import plan_parallel
+
+    config = load_config({"zero_optimization": ZERO3, "activation_checkpointing": {"memory_budget": 0.25, "cpu_checkpointing": True}})
+    plan = plan_parallel(config, 2)
+    s = plan.zero_schedule
+    assert (s.stage, s.allgather_bucket_elements, s.reduce_bucket_elements, s.prefetch_elements) == (3, 700, 900, 500)
+    assert (s.max_live_parameters, s.max_reuse_distance, s.unshard_budget, s.overlap_comm, s.gather_bucket_elements) == (4000, 30, 60, False, 500)
+    options = _options(pipeline_from_config(config))
+    zero, bucketing, prefetch, overlap = options["zero"], options["zero_bucketing"], options["zero_prefetch"], options["zero_overlap"]
+    assert (zero.stage, zero.unshard_budget, zero.max_reuse_distance) == (3, s.unshard_budget, s.max_reuse_distance)
+    assert zero.max_live_parameters == s.max_live_parameters
+    assert (bucketing.allgather_bucket_size, bucketing.reduce_bucket_size) == (s.gather_bucket_elements, s.reduce_bucket_elements)
+    assert (prefetch.stage3_prefetch_bucket_size, prefetch.stage3_max_live_parameters) == (s.prefetch_elements, s.max_live_parameters)
+    assert (overlap.overlap_comm, overlap.reduce_bucket_size) == (s.overlap_comm, s.reduce_bucket_elements)
+    c = plan.checkpointing
+    checkpoint = options["checkpoint"]
+    assert (checkpoint.policy, checkpoint.budget, checkpoint.cpu_offload) == (c.policy, c.memory_budget, c.cpu_offload) == ("budget", 0.25, True)
+    text = plan.text()
+    assert "ZeRO buckets: all-gather 500 elements, reduce-scatter 900 elements; live parameters <= 4000 elements" in text
+    assert "prefetch: ZeRO-3 all-gathers up to 500 elements ahead; overlap_comm off" in text
+    assert "activation checkpointing: policy budget, memory budget 0.25, saved activations on the host" in text
+
+
+def test_engine_compiles_under_its_plan(caplog) -> None:
+    """The engine compiles under its plan: a schedule swapped into ``engine.plan`` (as profiling does) reaches the passes
+    of the recompiled graphs, though the config says otherwise; the out-of-graph buckets are the plan's too."""
+    import logging
+    from dataclasses import replace
+
+    import torch
+
+    from dscompile.config import load_config
+    from dscompile.engines.training import DSCompileEngine
+    from dscompile.runtime.optimizers import build_optimizer
+
+    model = _tiny()
+    engine = DSCompileEngine(model, load_config({"lower": "eager", "zero_optimization": ZERO3}),
+                             build_optimizer(load_config({"optimizer": SGD}).optimizer, list(model.parameters())))
+    assert engine.zero.bucket_bytes == engine.plan.zero_schedule.reduce_bucket_elements * 4
+    engine.plan = replace(engine.plan, zero_schedule=replace(engine.plan.zero_schedule, allgather_bucket_elements=123, reduce_bucket_elements=456))
+    engine.recompile(engine.config)
+    with caplog.at_level(logging.INFO, logger="dscompile.frontend"):
+        engine(torch.randn(3, 8)).sum()
+    pipelines = [r.getMessage() for r in caplog.records if ": pipeline " in r.getMessage()]
+    assert pipelines and all("zero_bucketing(allgather_bucket_size=123,reduce_bucket_size=456)" in p for p in pipelines), pipelines
+    assert "zero_overlap(overlap_comm=false,reduce_bucket_size=456)" in pipelines[0]
+
+
+def _gather_chain(sizes: list[int]) -> Any:
+    """A forward graph as ZeRO leaves it before scheduling: each all-gather starts right before its use."""
+    import torch
+    import torch.fx
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    shards = [graph.placeholder(f"shard{i}") for i in range(len(sizes))]
+    for i, (shard, size) in enumerate(zip(shards, sizes, strict=True)):
+        start = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (shard, 2, "0"))
+        start.meta["dscompile"] = {"zero": {"kind": "all_gather", "elements": size, "group": "0", "world": 2, "shard_numel": size // 2, "members": 1}}
+        start.name = f"gather{i}"
+        wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (start,))
+        x = graph.call_function(torch.ops.aten.add.Tensor, (x, wait))
+    graph.output(x)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _gather_positions(schedule: Any) -> list[int]:
+    """Where the ``zero_prefetch`` pass the config rule builds for a plan with ``schedule`` puts each gather."""
+    from dataclasses import replace
+
+    from dscompile.config import load_config
+    from dscompile.pipeline import PassContext, pipeline_from_config
+    from dscompile.planner import compiling_under, plan_parallel
+
+    config = load_config({"zero_optimization": ZERO3})
+    with compiling_under(replace(plan_parallel(config, 2), zero_schedule=schedule)):
+        prefetch = next(inv for inv in pipeline_from_config(config) if inv.name == "zero_prefetch")
+    gm = _gather_chain([100, 100, 100, 100])
+    prefetch.info.fn(gm, PassContext(config, "forward", "g"), prefetch.options)
+    order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+    return [order[f"gather{i}"] for i in range(4)]
+
+
+def test_a_changed_schedule_changes_what_the_passes_do() -> None:
+    """Same config, two plans: prefetch window 0 leaves every gather at its use, a large one issues them all up front."""
+    from dataclasses import replace
+
+    from dscompile.config import load_config
+    from dscompile.planner import plan_zero_schedule
+
+    schedule = plan_zero_schedule(load_config({"zero_optimization": ZERO3}))
+    at_use = _gather_positions(replace(schedule, prefetch_elements=0))
+    ahead = _gather_positions(replace(schedule, prefetch_elements=10**6))
+    # at its use: each gather follows the previous one's add; up front: the four gathers come right after the inputs
+    assert at_use == [5, 8, 11, 14], at_use
+    assert sorted(ahead) == [5, 6, 7, 8], ahead
+
+
+def _gather_lines(code: str) -> int:
+    """The sum of the line numbers where all-gathers start (smaller: issued earlier)."""
+    return sum(i for i, line in enumerate(code.splitlines()) if "all_gather_into_tensor" in line)
+
+
+def replanned_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
+    """A ZeRO-3 engine whose plan is swapped (as profiling does) and recompiled: the new graphs follow the new plan."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import torch
+    from test_zero import _case, _config, _micro_batch
+
+    import dscompile
+
+    out: dict[str, Any] = {"losses": [], "ahead": [], "moved": []}
+    small = {"reduce_bucket_size": 1500, "allgather_bucket_size": 1500, "stage3_prefetch_bucket_size": 3000, "stage3_max_reuse_distance": 0}
+    torch.manual_seed(0)
+    case = _case("gpt")
+    engine, _, _, _ = dscompile.initialize(model=case.model, config=_config(3, 1, 0.0, small, f"{dump_root}/rank{rank}"))
+    for window in (0, 10**9):
+        engine.plan = replace(engine.plan, zero_schedule=replace(engine.plan.zero_schedule, prefetch_elements=window))
+        engine.recompile(engine.config)
+        loss = engine(*_micro_batch(case, 0, 0, rank))
+        engine.backward(loss)
+        out["losses"].append(float(loss.detach()))
+        engine.optimizer.zero_grad()  # no step: both plans compute the same loss and gradients
+        graph = sorted(Path(f"{dump_root}/rank{rank}").glob("*.forward"))[-1]
+        code = {p.name.split("_", 1)[1]: (p / "code.py").read_text() for p in graph.iterdir() if p.is_dir()}
+        # what zero_prefetch did: how many lines earlier the all-gathers start than where bucketing left them
+        out["ahead"].append(_gather_lines(code["zero_bucketing"]) - _gather_lines(code["zero_prefetch"]))
+        out["moved"].append(code["zero_prefetch"] != code["zero_bucketing"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_replanned_engine_compiles_to_its_new_schedule(tmp_path) -> None:
+    from dscompile.testing.distributed import run_distributed_or_fail
+
+    for r in run_distributed_or_fail(replanned_rank, 2, str(tmp_path), timeout=300):
+        assert r["moved"] == [False, True] and r["ahead"][0] == 0 and r["ahead"][1] > 0, r  # window 0: no gather moved ahead
+        assert r["losses"][0] == r["losses"][1]  # scheduling moves collectives, never the numbers
+
+
+def test_the_checkpoint_pass_reads_the_plan() -> None:
+    """The ``checkpoint`` pass gets the plan's policy, not the config's section."""
+    from dataclasses import replace
+
+    from dscompile.config import load_config
+    from dscompile.pipeline import pipeline_from_config
+    from dscompile.planner import CheckpointingPlan, compiling_under, plan_parallel
+
+    config = load_config({"activation_checkpointing": {"memory_budget": 0.5}})
+    assert _options(pipeline_from_config(config))["checkpoint"].budget == 0.5
+    with compiling_under(replace(plan_parallel(config, 1), checkpointing=CheckpointingPlan(policy="full", number_checkpoints=2))):
+        options = _options(pipeline_from_config(config))["checkpoint"]
+    assert (options.policy, options.budget, options.number_checkpoints) == ("full", None, 2)
+    with compiling_under(replace(plan_parallel(config, 1), checkpointing=CheckpointingPlan())):
+        assert "checkpoint" not in _options(pipeline_from_config(config))

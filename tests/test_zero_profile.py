@@ -22,7 +22,8 @@ from test_zero_features import _close, _reference
 import dscompile
 from dscompile.errors import DSCompileConfigError
 from dscompile.pipeline import pipeline_from_config
-from dscompile.runtime.zero_profile import AgreedProfile, GraphRun, agree, fit_latency, plan_from_profile, prefetch_window
+from dscompile.planner import plan_zero_schedule
+from dscompile.runtime.zero_profile import AgreedProfile, GraphRun, agree, fit_latency, plan_from_profile, plan_of, prefetch_window
 from dscompile.testing.distributed import requires_backend, run_distributed_or_fail
 
 SMALL = {"reduce_bucket_size": 1500, "allgather_bucket_size": 1500, "stage3_prefetch_bucket_size": 600}
@@ -60,19 +61,23 @@ def test_prefetch_window_covers_each_gather_with_compute() -> None:
 
 
 def test_plan_from_profile() -> None:
-    zc = dscompile.load_config({"zero_optimization": {"stage": 3, "allgather_bucket_size": 10**6, "stage3_prefetch_bucket_size": 10}}).sections[
-        "zero_optimization"
-    ]
+    config = dscompile.load_config({"zero_optimization": {"stage": 3, "allgather_bucket_size": 10**6, "stage3_prefetch_bucket_size": 10,
+                                                          "profile_steps": 2}})
+    schedule = plan_zero_schedule(config)
     fwd = GraphRun("forward", [(100, 1e-3 + 100e-6), (1000, 1e-3 + 1000e-6)], [0.0, 0.0, 0.0], [], 0.0, 4000, 4)
     bwd = GraphRun("backward", [], [0.0], [(200, 2e-3 + 200e-6), (400, 2e-3 + 400e-6)], 0.0, 8000, 4)
-    plan, why = plan_from_profile(zc, AgreedProfile([fwd, bwd], None))
-    assert plan["allgather_bucket_size"] == 9000  # alpha/beta = 1000 elements, latency <= 10%: 9x that
-    assert plan["reduce_bucket_size"] == 18_000
-    assert plan["stage3_prefetch_bucket_size"] == 1100  # no compute hides anything: both in flight
+    new, why = plan_from_profile(schedule, AgreedProfile([fwd, bwd], None))
+    plan = plan_of(new)
+    assert plan["allgather_bucket_size"] == new.allgather_bucket_elements == 9000  # alpha/beta = 1000 elements, latency <= 10%: 9x that
+    assert plan["reduce_bucket_size"] == new.reduce_bucket_elements == 18_000
+    assert plan["stage3_prefetch_bucket_size"] == new.prefetch_elements == 1100  # no compute hides anything: both in flight
     assert plan["unshard_budget"] == 0 and "CPU" in why["unshard_budget"]
+    # The rest of the schedule is kept; profiling is done.
+    assert new.profile_steps == 0 and new.max_live_parameters == schedule.max_live_parameters and new.overlap_comm == schedule.overlap_comm
+    assert new.gather_bucket_elements == 1100  # ZeRO-3 gathers at most a prefetch window at once
     # A device memory limit turns the measured headroom into the unshard budget (and caps prefetch).
-    plan, _ = plan_from_profile(zc, AgreedProfile([fwd, bwd], 8000 + 4 * 50))
-    assert plan["unshard_budget"] == 50 and plan["stage3_prefetch_bucket_size"] == 1050
+    new, _ = plan_from_profile(schedule, AgreedProfile([fwd, bwd], 8000 + 4 * 50))
+    assert new.unshard_budget == 50 and new.prefetch_elements == 1050
 
 
 def test_agree_alone_is_identity() -> None:
@@ -118,6 +123,7 @@ def profile_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
     out["params"] = engine.full_parameters()
     out["report"] = engine.zero_profiler.report
     out["replanned"] = engine.zero_profiler.replanned
+    out["engine_plan"] = (plan_of(engine.plan.zero_schedule), engine.plan.zero_schedule.profile_steps, engine.plan.text())
     torch._dynamo.reset()
 
     torch.manual_seed(0)
@@ -139,6 +145,10 @@ def test_profile_guided_replanning_on_two_ranks(tmp_path: Path) -> None:
     for r in results:
         _close(r["losses"], ref["losses"])
         assert r["replanned"]
+        # the re-plan is the engine's one plan now (what the recompiled graphs read): profiling done, new sizes printed
+        schedule, profile_steps, text = r["engine_plan"]
+        assert schedule == r["report"]["after"] and profile_steps == 0, (schedule, r["report"])
+        assert f"reduce-scatter {schedule['reduce_bucket_size']} elements" in text
         # One graph for the two profiled steps, exactly one more after the re-plan, then none.
         assert r["compiles"] == [1, 1, 2, 2, 2], r["compiles"]
     for name, value in ref["params"].items():

@@ -28,7 +28,7 @@ from dscompile.arguments import config_source
 from dscompile.autotp import merge_autotp_intent
 from dscompile.config import DSConfig, load_config
 from dscompile.errors import DSCompileConfigError
-from dscompile.planner import ParallelLayout, plan_parallel
+from dscompile.planner import ParallelLayout, PlannedConfig, plan_parallel
 from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint_dir
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
@@ -121,7 +121,8 @@ class DSCompileEngine(nn.Module, EngineCore):
     def _compile(self, target: nn.Module, config: DSConfig) -> Any:
         if self.compiles_model:
             _make_room_for_one_more_engine()
-        compiled = torch.compile(target, backend="dscompile", options=config) if self.compiles_model else target
+        # the graphs' passes read the engine's plan (ZeRO schedule, checkpointing), re-plans included, not the config
+        compiled = torch.compile(target, backend="dscompile", options=PlannedConfig(config, self.plan)) if self.compiles_model else target
         reference = getattr(target, "output_dtype_module", target)  # the user's model behind a wrapper that splits it
         return EngineEntry(compiled, self, self.compute_dtype, reference)  # DeepSpeed's 16-bit convention, loss.backward()
 
@@ -130,7 +131,8 @@ class DSCompileEngine(nn.Module, EngineCore):
         self._compiled = _Destroyed()
 
     def recompile(self, config: DSConfig) -> None:
-        """Compile the model again under ``config`` (an extension re-planned, e.g. ZeRO profiling)."""
+        """Compile the model again under ``config`` and the engine's current plan (an extension re-planned it, e.g. ZeRO
+        profiling swapped in a new ``ZeroSchedule``)."""
         self._compiled = self._compile(self.compile_target, config)
 
     def __getattr__(self, name: str) -> Any:

@@ -236,7 +236,7 @@ class ZeroExtension(EngineExtension):
             zc.stage,
             groups.dp_group if groups is not None else None,
             threshold,
-            bucket_bytes=zc.reduce_bucket_size * params[0].element_size(),
+            bucket_bytes=engine.plan.zero_schedule.reduce_bucket_elements * params[0].element_size(),  # the planner's bucket
             model_persistence_threshold=zc.stage3_model_persistence_threshold if zc.stage == 3 else None,
             allgather_partitions=zc.allgather_partitions,
             ignore_unused_parameters=zc.ignore_unused_parameters,

@@ -11,14 +11,14 @@ extension) calls ``ZeroProfiler.after_step``: every rank reduces
 its measurements into one vector whose layout depends only on the collectives (hence on the
 parameters, never on sequence lengths), the ranks check they saw the same collectives and take the
 maximum of every time and memory figure (``all_reduce``), and ``plan_from_profile`` (a pure function
-of the agreed numbers) gives the same new plan on every rank. The engine then compiles once more with
-that plan; a rank can never issue a collective its peers do not. The plan before and after, and the
+of the agreed numbers) gives the same new ``ZeroSchedule`` on every rank. The engine swaps it into its one
+plan (``engine.plan``) and compiles once more; the new graphs' passes read it from there. A rank can never
+issue a collective its peers do not. The plan before and after, and the
 agreed profile, go to the log and to ``DUMP/zero_plan.json`` when a dump directory is set.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from dscompile.planner import ZeroSchedule
 from dscompile.runtime.devices import collective_device
 from dscompile.runtime.engine_core import EngineExtension
 
@@ -216,13 +217,20 @@ def _unpack(runs: list[GraphRun], values: torch.Tensor) -> AgreedProfile:
 
 
 # ---------------------------------------------------------------------------------------------
-# Planning: a pure function of the agreed profile and the config.
+# Planning: a pure function of the agreed profile and the planned schedule.
 # ---------------------------------------------------------------------------------------------
-PLAN_KEYS = ("allgather_bucket_size", "reduce_bucket_size", "stage3_prefetch_bucket_size", "unshard_budget")
+PLAN_KEYS = {
+    "allgather_bucket_size": "allgather_bucket_elements",
+    "reduce_bucket_size": "reduce_bucket_elements",
+    "stage3_prefetch_bucket_size": "prefetch_elements",
+    "unshard_budget": "unshard_budget",
+}
+"""What profiling re-plans: the config key each part of the ``ZeroSchedule`` comes from (the report names them so)."""
 
 
-def plan_of(zc: Any) -> dict[str, int]:
-    return {key: int(getattr(zc, key)) for key in PLAN_KEYS}
+def plan_of(schedule: ZeroSchedule) -> dict[str, int]:
+    """The re-planned part of ``schedule`` under the config's names (``DUMP/zero_plan.json``'s ``before``/``after``)."""
+    return {key: int(getattr(schedule, attribute)) for key, attribute in PLAN_KEYS.items()}
 
 
 def fit_latency(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
@@ -257,9 +265,10 @@ def prefetch_window(gathers: Sequence[tuple[int, float]], compute_between: Seque
     return widest
 
 
-def plan_from_profile(zc: Any, profile: AgreedProfile) -> tuple[dict[str, int], dict[str, str]]:
-    """The new plan (same keys as ``plan_of``) and, per key, why it is what it is."""
-    plan = plan_of(zc)
+def plan_from_profile(schedule: ZeroSchedule, profile: AgreedProfile) -> tuple[ZeroSchedule, dict[str, str]]:
+    """The new schedule (``schedule`` with the parts ``PLAN_KEYS`` names re-planned; the others kept, profiling off)
+    and, per key, why it is what it is. ``schedule``'s sizes are upper bounds."""
+    plan = plan_of(schedule)
     why: dict[str, str] = {}
     for key, kind in (("allgather_bucket_size", "gathers"), ("reduce_bucket_size", "scatters")):
         samples = [s for run in profile.runs for s in getattr(run, kind)]
@@ -269,16 +278,16 @@ def plan_from_profile(zc: Any, profile: AgreedProfile) -> tuple[dict[str, int], 
             continue
         alpha, beta = fit
         wanted = max(1, math.ceil((1 - LATENCY_SHARE) / LATENCY_SHARE * alpha / beta))
-        plan[key] = min(int(getattr(zc, key)), wanted)
+        plan[key] = min(plan[key], wanted)
         why[key] = (
             f"latency {alpha * 1e6:.1f} us + {beta * 1e9:.3f} ns/element: buckets of {wanted} elements keep latency "
             f"<= {LATENCY_SHARE:.0%}, capped by the config"
         )
-    if zc.stage == 3:
+    if schedule.stage == 3:
         windows = [prefetch_window(run.gathers, run.compute_between) for run in profile.runs if run.gathers]
         if windows:
             need = max(windows)
-            cap = int(zc.stage3_max_live_parameters)
+            cap = schedule.max_live_parameters
             if profile.memory_limit_bytes is not None:
                 peak = max(run.peak_live_bytes for run in profile.runs)
                 itemsize = profile.runs[0].itemsize
@@ -289,11 +298,12 @@ def plan_from_profile(zc: Any, profile: AgreedProfile) -> tuple[dict[str, int], 
             peak = max(run.peak_live_bytes for run in profile.runs)
             itemsize = profile.runs[0].itemsize
             room = max(0, profile.memory_limit_bytes - peak) // itemsize
-            plan["unshard_budget"] = min(room, zc.unshard_budget) if zc.unshard_budget > 0 else room
+            plan["unshard_budget"] = min(room, schedule.unshard_budget) if schedule.unshard_budget > 0 else room
             why["unshard_budget"] = f"measured peak {peak} B of a {profile.memory_limit_bytes} B limit leaves {room} elements to keep gathered"
         else:
             why["unshard_budget"] = "kept: no device memory limit on CPU, so the configured budget stands"
-    return plan, why
+    new = dataclasses.replace(schedule, profile_steps=0, **{PLAN_KEYS[key]: value for key, value in plan.items()})
+    return new, why
 
 
 def device_memory_limit() -> int | None:
@@ -314,13 +324,15 @@ def profiler_for(config: Any) -> ZeroProfiler | None:
 
 
 class ZeroProfiler:
-    """Collects graph runs for ``steps`` optimizer steps, then agrees on and applies a new plan."""
+    """Collects graph runs for ``steps`` optimizer steps, then agrees on a new schedule and hands it to ``replan``."""
 
-    def __init__(self, config: Any, zc: Any, steps: int, recompile: Callable[[Any], None], group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, config: Any, schedule: ZeroSchedule, steps: int, replan: Callable[[ZeroSchedule], None], group: dist.ProcessGroup | None = None
+    ) -> None:
         self.config = config
-        self.zc = zc
+        self.schedule = schedule
         self.steps = steps
-        self.recompile = recompile
+        self.replan = replan
         self.group = group
         self.replanned = False
         self.active = True
@@ -360,7 +372,7 @@ class ZeroProfiler:
             return False
         self.active = False
         _PROFILERS.pop(id(self.config), None)
-        before = plan_of(self.zc)
+        before = plan_of(self.schedule)
         profile = agree(self.last_step, device_memory_limit(), self.group)
         if profile is None or not profile.runs:
             reason = "ranks measured different collectives" if profile is None else "no ZeRO graph ran while profiling"
@@ -368,11 +380,12 @@ class ZeroProfiler:
             self.report = {"before": before, "after": before, "why": {"all": reason}, "profile": None}
             self._write()
             return False
-        after, why = plan_from_profile(self.zc, profile)
+        schedule, why = plan_from_profile(self.schedule, profile)
+        after = plan_of(schedule)
         self.report = {"before": before, "after": after, "why": why, "profile": profile.to_dict(), "steps": self.steps}
         log.info("ZeRO plan from %d profiled step(s): before %s, after %s", self.steps, before, after)
         self._write()
-        self.recompile(planned_config(self.config, after))
+        self.replan(schedule)
         self.replanned = True
         return True
 
@@ -383,13 +396,10 @@ class ZeroProfiler:
             (root / "zero_plan.json").write_text(json.dumps(self.report, indent=2))
 
 
-def planned_config(config: Any, plan: dict[str, int]) -> Any:
-    """A copy of ``config`` whose ZeRO section carries ``plan`` and profiles no more."""
-    zc = config.sections["zero_optimization"]
-    new = copy.copy(config)
-    new.sections = dict(config.sections)
-    new.sections["zero_optimization"] = dataclasses.replace(zc, profile_steps=0, **plan)
-    return new
+def replan_engine(engine: Any, schedule: ZeroSchedule) -> None:
+    """Swap ``schedule`` into the engine's one plan and compile once more: the new graphs' passes read it."""
+    engine.plan = dataclasses.replace(engine.plan, zero_schedule=schedule)
+    engine.recompile(engine.config)
 
 
 class ZeroProfileExtension(EngineExtension):
@@ -397,19 +407,19 @@ class ZeroProfileExtension(EngineExtension):
 
     name = "zero_profile"
 
-    def __init__(self, zc: Any) -> None:
-        self.zc = zc
+    def __init__(self) -> None:
         self.profiler: ZeroProfiler | None = None
 
     def configure(self, engine: Any) -> None:
         engine.zero_profiler = None
-        if self.zc.stage < 2:
+        schedule = engine.plan.zero_schedule
+        if not schedule.in_graphs:
             log.info("zero_optimization.profile_steps: ZeRO-1 has no collectives in the graphs to plan; not profiling")
             return
         if not engine.compiles_model:
             log.info("zero_optimization.profile_steps: this engine does not compile its model; not profiling")
             return
-        self.profiler = ZeroProfiler(engine.config, self.zc, self.zc.profile_steps, engine.recompile)
+        self.profiler = ZeroProfiler(engine.config, schedule, schedule.profile_steps, lambda new: replan_engine(engine, new))
         engine.zero_profiler = self.profiler
 
     def after_optimizer_step(self, engine: Any, overflow: bool) -> None:

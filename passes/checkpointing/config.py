@@ -12,6 +12,7 @@ from typing import Any, Literal
 from dscompile.config import parse_dataclass, register_section
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.pipeline import invocation, register_config_rule
+from dscompile.planner import checkpointing_of
 
 Policy = Literal["none", "full", "selective", "budget"]
 
@@ -88,20 +89,22 @@ register_section("activation_checkpointing", _parse_section, "activation checkpo
 
 @register_config_rule(85, "checkpointing")  # after the clean-up: it plans on the joint graph the partitioner gets
 def _checkpointing_rule(config: Any) -> list[Any]:
-    section = config.sections.get("activation_checkpointing")
-    if section is None:
+    """The ``checkpoint`` pass with the planner's decision (``planner.CheckpointingPlan``, the engine's plan when an
+    engine compiles)."""
+    plan = checkpointing_of(config)
+    if plan.policy is None:
         return []
     return [
         invocation(
             "checkpoint",
-            policy=section.policy,
-            budget=section.memory_budget,
-            number_checkpoints=section.number_checkpoints or 0,
-            cpu_offload=section.cpu_checkpointing,
-            partition_activations=section.partition_activations,
-            partition_group_size=section.partition_group_size or 0,
-            profile=section.profile,
-            synchronize_boundary=section.synchronize_checkpoint_boundary,
+            policy=plan.policy,
+            budget=plan.memory_budget,
+            number_checkpoints=plan.number_checkpoints,
+            cpu_offload=plan.cpu_offload,
+            partition_activations=plan.partition_activations,
+            partition_group_size=plan.partition_group_size,
+            profile=plan.profile,
+            synchronize_boundary=plan.synchronize_boundary,
         )
     ]
 

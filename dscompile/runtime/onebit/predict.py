@@ -1,8 +1,8 @@
 """Bytes a rank sends per optimizer step under a 1-bit optimizer, predicted without running an engine.
 
 ``dscompile dump`` runs no engine, so it cannot measure what the engine's collectives send; this plans the
-same buckets the engine would (the optimizer's ``bucket_size`` buckets without ZeRO, ZeRO's
-``reduce_bucket_size`` buckets with it, the same compressed layouts) from the model's trainable parameter
+same buckets the engine would (the optimizer's ``bucket_size`` buckets without ZeRO, the planner's ZeRO reduce
+bucket, ``ZeroSchedule.reduce_bucket_elements``, with it, the same compressed layouts) from the model's trainable parameter
 sizes and the config, lists the message of every collective a step of each phase issues, and converts them to
 bytes sent with the engine's own conversion (``engine.bytes_sent``). Phases: ``full_precision`` (warm-up,
 0/1 Adam's variance steps), ``compressed`` (1-bit exchange), ``local`` (0/1 Adam's local steps: nothing).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dscompile.planner import plan_zero_schedule
 from dscompile.runtime.comm_stats import CommStats as EngineCommStats
 from dscompile.runtime.onebit.base import DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_SIZE, plan_bucket_positions
 from dscompile.runtime.onebit.comm import CompressedLayout, reduce_scatter_chunk, wire_bytes
@@ -39,7 +40,7 @@ def predict_step_bytes(numels: list[int], world: int, config: Any, itemsize: int
         buckets = [[numels[i] for i in b] for b in plan_bucket_positions(numels, params.get("bucket_size", DEFAULT_BUCKET_SIZE))]
         phases = {"full_precision": _data_parallel_step(buckets, itemsize), "compressed": _compressed_step(buckets, world, block_size, config)}
     else:
-        phases = _zero_steps(kind, numels, world, block_size, zero, itemsize)
+        phases = _zero_steps(kind, numels, world, block_size, zero, plan_zero_schedule(config).reduce_bucket_elements, itemsize)
         if zero.compute_grad_norm or config.gradient_clipping > 0:
             for stats in phases.values():  # the global norm, every step (get_global_grad_norm(), as DeepSpeed's ZeRO)
                 stats.record("zero", "clip_norm.all_reduce", 4)
@@ -74,7 +75,9 @@ def _compressed_step(buckets: list[list[int]], world: int, block_size: int | Non
     return stats
 
 
-def _zero_steps(kind: str, numels: list[int], world: int, block_size: int | None, zero: Any, itemsize: int) -> dict[str, EngineCommStats]:
+def _zero_steps(
+    kind: str, numels: list[int], world: int, block_size: int | None, zero: Any, reduce_bucket_elements: int, itemsize: int
+) -> dict[str, EngineCommStats]:
     """ZeRO-1/2: the reduce-scatter (fp32, or 1-bit per bucket), the parameter all-gather after the step, and for
     1-bit LAMB the all-gather of the shards' partial norms (2 per parameter in the warm-up, 3 after). The global
     gradient norm's scalar all-reduce is added by the caller."""
@@ -82,7 +85,7 @@ def _zero_steps(kind: str, numels: list[int], world: int, block_size: int | None
     full_bytes = sum(s * world for s in shards) * itemsize
     gather_op = "all_gather" if zero.allgather_partitions else "broadcast"
     sizes = [s * world * itemsize for s in shards]
-    buckets = plan_byte_buckets(sizes, [None] * len(sizes), zero.reduce_bucket_size * itemsize)
+    buckets = plan_byte_buckets(sizes, [None] * len(sizes), reduce_bucket_elements * itemsize)
     warm, compressed = EngineCommStats(), EngineCommStats()
     warm.record("zero", "reduce_scatter", full_bytes)
     for bucket in buckets:
