@@ -665,6 +665,19 @@ def checkpointing_of(config: Any) -> CheckpointingPlan:
     return plan.checkpointing if plan is not None else plan_activation_checkpointing(config)
 
 
+def plan_inference(world_size: int, tp_size: int) -> ParallelPlan:
+    """The inference engine's plan (``init_inference``): ``tp_size`` consecutive ranks of tensor parallelism hold one
+    copy of the model (``tensor_parallel.tp_size``), data parallelism (independent copies) spans the rest; no ZeRO,
+    offload or checkpointing. Raises when ``tp_size`` does not divide the world."""
+    if tp_size < 1 or world_size % tp_size:
+        raise DSCompileConfigError(
+            "tensor_parallel.tp_size",
+            f"{tp_size} ranks per model do not divide the world of {world_size} process(es)",
+            f"launch with torchrun --nproc-per-node {tp_size} (or a multiple), or lower tp_size",
+        )
+    return ParallelPlan(layout=ParallelLayout(world_size, tp_size))
+
+
 PLAN_FILE = "plan.txt"
 
 

@@ -109,16 +109,11 @@ def stand_in(model: nn.Module) -> nn.Module:
 
 
 class TensorParallelGraphs:
-    """The TP group, the model's slices, and the split graphs captured so far (one per input shape)."""
+    """The TP group, the model's slices, and the split graphs captured so far (one per input shape).
+
+    ``tp_size`` divides the world: the engine's plan checked it (``planner.plan_inference``)."""
 
     def __init__(self, model: nn.Module, tp_size: int, compile_graph: CompileGraph, quant: tuple[int, int | None, bool, bool] | None = None) -> None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world % tp_size:
-            raise DSCompileConfigError(
-                "tensor_parallel.tp_size",
-                f"{tp_size} ranks per model do not divide the world of {world} process(es)",
-                f"launch with torchrun --nproc-per-node {tp_size} (or a multiple), or lower tp_size",
-            )
         self.groups: ProcessGroups = build_process_groups(tp_size)
         self.tp_size = tp_size
         self.model = model

@@ -77,7 +77,8 @@ from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.graph import set_fake_value
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 from dscompile.planner import OffloadPlan, ParamPlan, PlannedParameter, non_shard_device_bytes, plan_optimizer_offload, plan_param_offload
-from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
+from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
+from dscompile.runtime.training_core import TrainingCore
 
 log = logging.getLogger("dscompile.passes.offload")
 
@@ -186,7 +187,7 @@ class OptimizerOffloadExtension(EngineExtension):
         self.plan: OffloadPlan | None = None
         self._forwards = 0  # engine forwards since the last backward
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         from dscompile.runtime.offload import OffloadSettings, build_offloaded_optimizer
         from dscompile.runtime.offload.host import host_threads_from_fraction, state_bytes_per_element
 
@@ -253,7 +254,7 @@ class OptimizerOffloadExtension(EngineExtension):
         self.optimizer.early_gate = lambda: self.early_step_allowed(engine)
         engine.optimizer = self.optimizer
 
-    def early_step_allowed(self, engine: EngineCore) -> bool:
+    def early_step_allowed(self, engine: TrainingCore) -> bool:
         """Whether the backward running now may start host steps: it is the engine's backward of the one forward since
         the last step or backward, it ends an accumulation batch, and nothing between backward and ``optimizer.step()``
         reads all gradients or changes them (no ``gradient_clipping``, no fp16 loss scaling or other overflow check,
@@ -275,25 +276,25 @@ class OptimizerOffloadExtension(EngineExtension):
                     return False
         return True
 
-    def before_forward(self, engine: EngineCore) -> None:
+    def before_forward(self, engine: TrainingCore) -> None:
         """Counts forwards (the early step's gate); NVMe: the micro-step that ends a batch starts reading the first
         tiles, so the reads overlap its forward and backward."""
         self._forwards += 1
         if self.optimizer is not None and engine.is_gradient_accumulation_boundary():
             self.optimizer.prefetch()
 
-    def after_backward(self, engine: EngineCore) -> None:
+    def after_backward(self, engine: TrainingCore) -> None:
         self._forwards = 0
         if self.optimizer is not None:
             self.optimizer.end_backward()
 
-    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+    def after_optimizer_step(self, engine: TrainingCore, overflow: bool) -> None:
         self._forwards = 0
 
     def counters(self) -> dict[str, Any]:
         return self.optimizer.counters() if self.optimizer is not None else {}
 
-    def destroy(self, engine: EngineCore) -> None:
+    def destroy(self, engine: TrainingCore) -> None:
         if self.optimizer is not None:
             self.optimizer.detach_gradient_copies()
             self.optimizer.close()
@@ -406,7 +407,7 @@ class ParamOffloadExtension(EngineExtension):
         self.store: Any = None
         self.plan: ParamPlan | None = None
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         from dscompile.runtime.offload.params import ParamOffloadSettings, ParamStore
         from dscompile.runtime.zero_shard import ZeroModule
 
@@ -458,7 +459,7 @@ class ParamOffloadExtension(EngineExtension):
         zero.residency = self.store.resident  # full parameters and checkpoints read and write the shards' values
 
     @staticmethod
-    def _other_device_bytes(engine: EngineCore, planned: list[PlannedParameter], shard_bytes: int) -> int:
+    def _other_device_bytes(engine: TrainingCore, planned: list[PlannedParameter], shard_bytes: int) -> int:
         from dscompile.runtime.offload.host import state_bytes_per_element
 
         optimizer_plan = getattr(engine.extension("zero_offload"), "plan", None)  # configured first (order 11)
@@ -467,13 +468,13 @@ class ParamOffloadExtension(EngineExtension):
         per_element = state_bytes_per_element(engine.optimizer) if engine.optimizer is not None else 0
         return non_shard_device_bytes(planned, shard_bytes, None, per_element)
 
-    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+    def after_optimizer_step(self, engine: TrainingCore, overflow: bool) -> None:
         self.store.end_step()
 
     def counters(self) -> dict[str, Any]:
         return self.store.counters() if self.store is not None else {}
 
-    def destroy(self, engine: EngineCore) -> None:
+    def destroy(self, engine: TrainingCore) -> None:
         if self.store is not None:
             self.store.close()
 

@@ -47,7 +47,7 @@ from torch import fx, nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.passes.tensor_parallel import TensorParallelModule, capture, refuse_layouts_per_head
-from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
+from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sequence_parallel import (
     DistributedAttention,
@@ -58,6 +58,7 @@ from dscompile.runtime.sequence_parallel import (
     sequence_chunk,
     sequence_to_heads,
 )
+from dscompile.runtime.training_core import TrainingCore
 
 log = logging.getLogger("dscompile.passes.sequence_parallel")
 aten = torch.ops.aten
@@ -547,7 +548,7 @@ class SequenceParallelExtension(EngineExtension):
         self.sp = sp
         self.module: SequenceParallelModule | None = None
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         refuse_distributed_attention(getattr(engine, "module", None))
         sections = engine.config.sections
         for key, clash in (

@@ -142,7 +142,7 @@ def test_collective_device_follows_the_backend(one_rank_gloo: object, monkeypatc
 
 def test_engine_agreement_and_zero_norm_put_buffers_where_the_backend_wants(one_rank_gloo: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's cross-rank flag and ZeRO's norm buffer ask ``collective_device``: with NCCL they would be on the GPU."""
-    from dscompile.runtime import engine_core, zero_shard
+    from dscompile.runtime import training_core, zero_shard
 
     asked: list[object] = []
 
@@ -150,8 +150,8 @@ def test_engine_agreement_and_zero_norm_put_buffers_where_the_backend_wants(one_
         asked.append(like)
         return torch.device("cpu")
 
-    monkeypatch.setattr(engine_core, "collective_device", spy)
-    assert engine_core._agree_any(True) is True and engine_core._agree_any(False) is False
+    monkeypatch.setattr(training_core, "collective_device", spy)
+    assert training_core._agree_any(True) is True and training_core._agree_any(False) is False
     monkeypatch.setattr(zero_shard, "collective_device", spy)
     model = torch.nn.Linear(4, 2)
     partition = zero_shard.ZeroPartition(model, stage=2)

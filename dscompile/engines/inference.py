@@ -12,23 +12,29 @@ through the inference fusion passes instead of DeepSpeed's per-architecture kern
 (``dscompile.runtime.inference.weights``). Under ``tensor_parallel`` both compose: the fusion passes run on
 each rank's split graph, and the layers are packed at the first split, each rank its slices
 (``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call.
+
+The engine stands on the engine core (``dscompile.runtime.engine_core``), as the training engines do: its
+``plan`` is the planner's (``plan_inference``: ``tp_size`` ranks of tensor parallelism, data parallelism over the
+rest), the process group comes from the launcher's environment as training's does, inference extensions
+(``register_engine_extension(..., kind=INFERENCE)``) configure it, and ``communication_stats()`` counts the
+collectives its graphs run; ``destroy()`` releases the compiled graphs.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dscompile.comm import init_distributed
 from dscompile.errors import DSCompileConfigError
 from dscompile.frontend import dscompile_backend
 from dscompile.passes.inference_tensor_parallel import TensorParallelForward, TensorParallelGraphs, TensorParallelStep
+from dscompile.planner import plan_inference
+from dscompile.runtime.comm_stats import collecting
+from dscompile.runtime.engine_core import INFERENCE, EngineCore, init_from_launcher, world_info
 from dscompile.runtime.inference.config import InferenceConfig, parse_inference_config
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
@@ -67,23 +73,38 @@ def _decode_step(model: nn.Module) -> Callable[..., torch.Tensor]:
     return decode
 
 
-class InferenceEngine(nn.Module):
+DESTROYED = "this engine was destroyed (engine.destroy()); build a new one with dscompile.init_inference to run again"
+
+
+class _Destroyed(nn.Module):
+    """What a destroyed engine runs: a clear error."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(DESTROYED)
+
+
+class InferenceEngine(nn.Module, EngineCore):
     """A model prepared for inference: called like the model, plus ``generate`` for causal LMs.
 
     ``compile_counts``: graphs compiled so far for the plain forward, the prefill and the decode
     step (the decode count stays at its first value however many tokens are generated).
     """
 
+    extension_kind: ClassVar[str] = INFERENCE
+
     def __init__(self, model: nn.Module, config: InferenceConfig) -> None:
-        super().__init__()
-        self._config = config  # DeepSpeed's names: ``_config`` the inference settings, ``config`` the model's own
+        nn.Module.__init__(self)
+        tp_size = config.tensor_parallel.tp_size if config.tensor_parallel.enabled else 1
+        if tp_size > 1:  # collective: every rank of the world builds its engine together
+            init_from_launcher()  # as the training engines: the process group from torchrun's environment
+        # DeepSpeed's names: ``_config`` the inference settings (the core's), ``config`` the model's own
+        self.init_engine(config, plan_inference(world_info()[0], tp_size))
         self.config = getattr(model, "config", None)
         model.eval()
         model.to(config.dtype)
         self.quantized_layers: dict[str, int] = {}
         bits = config.quant.weight_bits
         weight = config.quant.weight
-        tp_size = config.tensor_parallel.tp_size if config.tensor_parallel.enabled else 1
         if bits is not None and tp_size == 1:  # under TP the split packs each rank's slices (passes/inference_tensor_parallel.py)
             self.quantized_layers = quantize_model_weights(
                 model, bits, weight.q_groups, weight.q_type == "symmetric", quantize_embeddings=weight.quantize_embeddings
@@ -94,9 +115,7 @@ class InferenceEngine(nn.Module):
         if config.dump:
             self.options["dump"] = config.dump
         self.tensor_parallel: TensorParallelGraphs | None = None
-        if tp_size > 1:  # collective: every rank of the world builds its engine together
-            if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-                init_distributed()  # as DeepSpeed's engine: the process group from torchrun's environment
+        if tp_size > 1:
             quant = None if bits is None else (bits, weight.q_groups, weight.q_type == "symmetric", weight.quantize_embeddings)
             self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant)
             self.quantized_layers = self.tensor_parallel.quantized_layers  # filled when the first graph splits the model
@@ -104,6 +123,7 @@ class InferenceEngine(nn.Module):
         else:
             self._forward = torch.compile(model, backend=self._backend("forward"))
         self._generator: StaticCacheGenerator | None = None
+        self.configure_extensions()
 
     def _compile_graph(self, gm: torch.fx.GraphModule, name: str) -> Callable[..., Any]:
         return torch.compile(gm, backend=self._backend(name), dynamic=False)
@@ -116,8 +136,18 @@ class InferenceEngine(nn.Module):
         return backend
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
+        with torch.no_grad(), collecting(self.comm_stats):
             return self._forward(*args, **kwargs)
+
+    def _check_alive(self) -> None:
+        if self.destroyed:
+            raise RuntimeError(DESTROYED)
+
+    def release_compiled(self) -> None:
+        """``destroy()``: drop the compiled forward, the generator's prefill and decode graphs and the split graphs."""
+        self._forward = _Destroyed()  # a module either way: the compiled forward is a child module of the engine
+        self._generator = None
+        self.tensor_parallel = None
 
     def model_bytes(self) -> int:
         """Bytes of the model's weights in memory (packed codes and scales when quantized)."""
@@ -180,7 +210,9 @@ class InferenceEngine(nn.Module):
         if generator is None and seed is not None:
             generator = torch.Generator(device=input_ids.device).manual_seed(seed)
         sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-        out = self._static_generator().generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id, generator, output_logits)
+        self._check_alive()
+        with collecting(self.comm_stats):
+            out = self._static_generator().generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id, generator, output_logits)
         return out if return_dict_in_generate else out.sequences
 
 

@@ -20,7 +20,7 @@ DeepSpeed's ZeRO-1 does across pipelines; stages 2 and 3 are refused, as in Deep
 rank consumes ``micro_batches`` items of its ``data_iter`` per
 ``train_batch`` (ranks that read no inputs may pass None once the engine is built).
 
-The optimizer step is the engine core's (``dscompile.runtime.engine_core``), so every engine
+The optimizer step is the training core's (``dscompile.runtime.training_core``), so every engine
 extension works here as in ``DSCompileEngine``: fp16 loss scaling (the loss gradient that seeds
 backward on the last stage carries the scale; an overflow on any stage skips the step on every
 rank), ``communication_data_type``, ``wall_clock_breakdown`` (forward, backward and p2p-wait time
@@ -56,7 +56,7 @@ from dscompile.planner import plan_parallel
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
-from dscompile.runtime.engine_core import EngineCore, params_or_error, world_info, wrapped_module_attribute, write_16bit_state
+from dscompile.runtime.engine_core import world_info, wrapped_module_attribute
 from dscompile.runtime.pipeline_executor import Timeline, run_actions, run_forward_only
 from dscompile.runtime.pipeline_gradients import PipelineGradients
 from dscompile.runtime.pipeline_p2p import P2P
@@ -65,6 +65,7 @@ from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sixteen_bit import upcast_low_precision
 from dscompile.runtime.tensor_parallel import broadcast_in_tp_group, gather_slices, slicing_metadata
 from dscompile.runtime.tensor_parallel_checkpoint import cut_to_rank, join_tp_ranks, specs_of
+from dscompile.runtime.training_core import TrainingCore, params_or_error, write_16bit_state
 from dscompile.runtime.zero_checkpoint import FullState, _load_full_optimizer, optimizer_param_names
 from dscompile.runtime.zero_shard import collective_failures_explained
 
@@ -163,7 +164,7 @@ class GraphStageRunner:
         return [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs]
 
 
-class PipelineEngine(EngineCore):
+class PipelineEngine(TrainingCore):
     """Pipeline-parallel (optionally x data-parallel) training of a model on this rank's stages."""
 
     runs_pipeline = True
@@ -182,27 +183,27 @@ class PipelineEngine(EngineCore):
         loss_fn: Callable[..., torch.Tensor] | None = None,
         example_batch: Sequence[Any] | None = None,
     ) -> None:
-        self.config: DSConfig = load_config(config)
-        pcfg = self.config.sections.get("pipeline_parallel")
+        config = load_config(config)
+        pcfg = config.sections.get("pipeline_parallel")
         if pcfg is None:
             raise DSCompileConfigError("pipeline", "PipelineEngine needs a 'pipeline' section", 'add "pipeline": {"stages": N}')
         self.pcfg = pcfg
         self.world_size, self.global_rank = world_info()
         self.num_stages = pcfg.stages
-        tc = self.config.sections.get("tensor_parallel")  # passes/tensor_parallel/config.py's TensorParallelConfig
+        tc = config.sections.get("tensor_parallel")  # passes/tensor_parallel/config.py's TensorParallelConfig
         self.tensor_parallel: Any = tc if tc is not None and tc.enabled else None
         self.tp_size = tc.autotp_size if self.tensor_parallel is not None else 1
         refuse_sequence_parallel(self.tensor_parallel)
         check_pipeline_world(self.world_size, self.num_stages, self.tp_size)
         # the one plan: its rank layout (TP innermost, its ranks consecutive, then data-parallel replicas, then stages)
         # and the ZeRO stage (stages 2 and 3 refused, as DeepSpeed does; stage 1 is the gradient strategy's)
-        plan = plan_parallel(self.config, self.world_size, self.tp_size)
+        plan = plan_parallel(config, self.world_size, self.tp_size)
         self.zero_stage = plan.zero_stage
         self.layout = plan.layout
         self.stage_id, self.dp_id, self.tp_rank = self.layout.coordinates(self.global_rank)
         self.dp_size = self.layout.dp_size
         self.chunks = pcfg.virtual_stages or 1
-        gas = self.config.gradient_accumulation_steps
+        gas = config.gradient_accumulation_steps
         if pcfg.micro_batches is not None and gas not in (None, 1, pcfg.micro_batches):
             raise DSCompileConfigError("pipeline.micro_batches", f"{pcfg.micro_batches} contradicts gradient_accumulation_steps {gas}", "set only one of them")
         self.micro_batches = pcfg.micro_batches or gas or 1
@@ -214,7 +215,7 @@ class PipelineEngine(EngineCore):
         self.root: nn.Module = _WithLoss(model, loss_fn) if loss_fn is not None else model
         self._strip = "model." if loss_fn is not None else ""
         params_or_error(model, needs_training=True)
-        self.init_core(self.config, optimizer, lr_scheduler, plan)
+        self.init_core(config, optimizer, lr_scheduler, plan)
         self.program: Any = None
         self.facts: Any = None
         self.last_timeline: Timeline | None = None

@@ -4,7 +4,7 @@ A DeepSpeed training script ports by changing its import: ``engine(batch)``,
 ``engine.backward(loss)``, ``engine.step()``, ``save_checkpoint``/``load_checkpoint``, with the
 config's optimizer, scheduler, gradient accumulation and clipping.
 
-``DSCompileEngine`` is a shell over the engine core (``dscompile.runtime.engine_core``): it compiles
+``DSCompileEngine`` is a shell over the training core (``dscompile.runtime.training_core``): it compiles
 one module and runs forward and backward; the optimizer step, gradient reduction across ranks,
 overflow agreement, clipping, counters, timers and checkpoint contents are the core's, and
 capabilities plug in as core extensions and gradient strategies: plain data parallelism by
@@ -33,22 +33,13 @@ from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
 from dscompile.runtime.dynamo_room import make_room
-from dscompile.runtime.engine_core import (
-    LATEST,
-    MODEL_STATES,
-    EngineCore,
-    _agree_any,
-    params_or_error,
-    register_engine_extension,
-    world_info,
-    wrapped_module_attribute,
-)
+from dscompile.runtime.engine_core import init_from_launcher, register_engine_extension, world_info, wrapped_module_attribute
 from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
-from dscompile.runtime.process_exit import init_process_group
 from dscompile.runtime.process_groups import ProcessGroups
 from dscompile.runtime.schedulers import build_scheduler
 from dscompile.runtime.tensor_parallel_gradients import TensorParallelGradients, TensorParallelOver
+from dscompile.runtime.training_core import LATEST, MODEL_STATES, TrainingCore, _agree_any, params_or_error
 from dscompile.runtime.zero_extension import shard_optimizer
 from dscompile.runtime.zero_init import materialize
 from dscompile.runtime.zero_shard import ZeroModule, collective_failures_explained, run_agreeing
@@ -79,8 +70,8 @@ __all__ = [
 ]
 
 
-class DSCompileEngine(nn.Module, EngineCore):
-    """Training engine: a compiled module, its optimizer and the engine core's step around them."""
+class DSCompileEngine(nn.Module, TrainingCore):
+    """Training engine: a compiled module, its optimizer and the training core's step around them."""
 
     def __init__(
         self,
@@ -175,7 +166,7 @@ class DSCompileEngine(nn.Module, EngineCore):
 
     @collective_failures_explained("engine.step()")
     def step(self) -> None:
-        """At an accumulation boundary: the engine core's optimizer step (reduce, unscale, clip, step)."""
+        """At an accumulation boundary: the training core's optimizer step (reduce, unscale, clip, step)."""
         boundary = self.is_gradient_accumulation_boundary()
         with self.phase("step"):
             self.micro_steps += 1
@@ -307,7 +298,7 @@ def initialize(
     configure_pipeline = getattr(model, "configure_pipeline", None)  # dscompile.pipe.PipelineModule: stages, cuts, loss_fn
     if configure_pipeline is not None:
         cfg = configure_pipeline(cfg)
-    _maybe_init_distributed(dist_init_required, distributed_port)
+    init_from_launcher(dist_init_required, distributed_port)
     cfg, mpu = merge_autotp_intent(model, cfg, mpu)  # tp_model_init's record; an mpu naming AutoTP's groups
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world_size > 1 else 0
@@ -376,16 +367,6 @@ def initialize(
     opt, scheduler = engine.optimizer, engine.lr_scheduler
     dataloader = _build_dataloader(cfg, training_data, collate_fn, world_size, rank)
     return engine, opt, dataloader, scheduler
-
-
-def _maybe_init_distributed(required: bool | None, port: int | None) -> None:
-    if not dist.is_available() or dist.is_initialized() or required is False:
-        return
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not required:
-        return
-    if port is not None:
-        os.environ.setdefault("MASTER_PORT", str(port))
-    init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")  # destroyed again at exit
 
 
 def _zero_section(config: DSConfig) -> Any:

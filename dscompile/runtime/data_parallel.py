@@ -23,8 +23,10 @@ from torch import nn
 from dscompile.runtime.checkpoint_io import CheckpointReader, CheckpointWriter
 from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.devices import RngState, accelerator_devices, capture_rng, restore_rng
-from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, GradientStrategy, world_info
+from dscompile.runtime.engine_core import world_info
+from dscompile.runtime.gradient_strategy import GradientStrategy
 from dscompile.runtime.sixteen_bit import module_states, saved_module_state
+from dscompile.runtime.training_core import MODEL_STATES, TrainingCore
 from dscompile.runtime.zero_shard import check_unused_parameters, explain_collective_failure
 
 
@@ -49,7 +51,7 @@ class DataParallelGradients(GradientStrategy):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def reduce(self, engine: EngineCore) -> None:
+    def reduce(self, engine: TrainingCore) -> None:
         """All-reduce every trainable gradient in one flat buffer, the same layout on every rank.
 
         A parameter that got no gradient on a rank (a branch taken elsewhere) contributes zeros
@@ -77,7 +79,7 @@ class DataParallelGradients(GradientStrategy):
                 p.grad = g
             offset += g.numel()
 
-    def reduce_buffer(self, engine: EngineCore, params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def reduce_buffer(self, engine: TrainingCore, params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """What ``reduce`` all-reduces for ``params``: their gradients (zeros where missing, returned as ``grads``)
         and a has-a-gradient flag each in one flat buffer, in ``communication_data_type`` when set (copied back into
         each gradient's dtype after), the gradients pre-divided as ``prescale_gradients`` /
@@ -95,7 +97,7 @@ class DataParallelGradients(GradientStrategy):
             values /= config.gradient_predivide_factor
         return flat, grads
 
-    def finish_average(self, engine: EngineCore, values: torch.Tensor) -> None:
+    def finish_average(self, engine: TrainingCore, values: torch.Tensor) -> None:
         """The summed gradients in ``values`` (in place) into their mean: what pre-division left to do."""
         config = engine.config
         if not config.prescale_gradients:
@@ -105,7 +107,7 @@ class DataParallelGradients(GradientStrategy):
         """On several ranks a failed collective means a dead, stalled or diverged peer: say so."""
         return explain_collective_failure(rank, f"data-parallel {what}") if self.world_size > 1 else contextlib.nullcontext()
 
-    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+    def clip(self, engine: TrainingCore, params: list[nn.Parameter], max_norm: float) -> float:
         # Gradients are equal on every rank after the all-reduce: the local norm is the global one.
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
@@ -122,7 +124,7 @@ class DataParallelGradients(GradientStrategy):
         return tensors
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self, engine: EngineCore, ckpt: CheckpointWriter, client_state: dict | None) -> None:
+    def save_checkpoint(self, engine: TrainingCore, ckpt: CheckpointWriter, client_state: dict | None) -> None:
         """Rank 0 writes ``directory/mp_rank_00_model_states.pt``."""
         if self.rank != 0:
             return
@@ -141,7 +143,7 @@ class DataParallelGradients(GradientStrategy):
         ckpt.save(state, MODEL_STATES)
 
     def load_checkpoint(
-        self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+        self, engine: TrainingCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
         state: dict[str, Any] = CheckpointReader(directory).load(MODEL_STATES)  # verified against the checkpoint's manifest
         self.module.load_state_dict(saved_module_state(state))

@@ -1,173 +1,34 @@
-"""One engine core for every dscompile engine: the optimizer step and the extension protocol.
+"""The engine core: what every dscompile engine shares, training or inference.
 
-``DSCompileEngine`` (``dscompile.initialize``) and ``PipelineEngine`` are thin shells over
-``EngineCore``: each decides how a batch runs (one compiled module; a pipeline schedule over
-stages) and hands everything around the optimizer step to the core. A capability that acts outside
-the compiled graphs (ZeRO, loss scaling, ZeRO profiling; later ZeRO-Offload, 1-bit Adam,
-compressed communication, tensor parallelism) is written once, as an ``EngineExtension`` and/or a
-``GradientStrategy``, and then works in every engine; no engine names a capability.
-
-Plugging a capability in
-------------------------
-Register a factory in the capability's module (``passes/<capability>.py`` registers its config
-section there too)::
-
-    from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
-
-    @register_engine_extension(order=30, name="my_capability")
-    def _my_extension(config: DSConfig) -> EngineExtension | None:
-        section = config.sections.get("my_capability")
-        return MyExtension(section) if section is not None and section.enabled else None
-
-Every engine calls every factory once, in ``order`` (then name), with the config it trains under
-(a pipeline engine passes its config without ``zero_optimization``: ZeRO-1 across pipelines is its
-own strategy's job), and keeps the extensions that are not None. Hooks then run in that order.
-
-The extension protocol (``EngineExtension``; every hook has a no-op default)
-----------------------------------------------------------------------------
-``name``                                  unique; ``engine.extension(name)`` finds the instance.
-``configure(engine)``                     once, at construction, before the model is compiled.
-                                          May replace ``engine.compile_target`` (the module the
-                                          engine compiles), ``engine.optimizer`` (the scheduler is
-                                          re-pointed by the core), ``engine.gradients`` (the gradient
-                                          strategy), set ``engine.communication_data_type``, or
-                                          publish a handle on the engine (ZeRO sets ``engine.zero``).
-``before_forward(engine)``                before each forward.
-``after_forward(engine)``                 after it.
-``scale_loss(engine, loss) -> loss``      before backward; must multiply by a factor (a pipeline
-                                          applies it to the loss gradient it seeds backward with).
-``after_backward(engine)``                after each backward.
-                                          A pipeline engine interleaves forwards and backwards inside
-                                          one ``train_batch``: it calls ``before_forward`` and
-                                          ``scale_loss`` before the schedule, ``after_forward`` and
-                                          ``after_backward`` after it (once per batch).
-``on_gradients_ready(engine, params)``    at the accumulation boundary, once the gradient strategy has
-                                          reduced every gradient (still loss-scaled); ``params`` are the
-                                          tensors the optimizer steps (ZeRO: this rank's shards).
-``check_overflow(engine, params) -> bool``  unscale and report inf/NaN; with ``checks_overflow`` True
-                                          the core agrees the answer across all ranks (``_agree_any``),
-                                          so every rank skips the step or none does.
-``before_optimizer_step(engine, params)`` after clipping, just before ``optimizer.step()`` (not on a skipped step).
-``after_optimizer_step(engine, overflow)`` after every boundary (skipped or not), once gradients are
-                                          cleared and ``global_steps`` advanced.
-``state_dict() / load_state_dict(state)`` its share of a checkpoint (saved under ``extensions[name]``).
-``counters() -> dict``                    numbers for ``engine.communication_stats()`` (under ``extensions``);
-                                          collectives it issues go through ``engine.comm_stats.timed``.
-``destroy(engine)``                       from ``engine.destroy()``: release what it holds (buffers, hooks).
-
-The gradient strategy (``GradientStrategy``; exactly one per engine)
--------------------------------------------------------------------
-Which tensors the optimizer steps and how their gradients are kept consistent across ranks:
-``trainable_parameters()``, ``reduce(engine)`` at the boundary, ``clip(engine, params, max_norm)`` by
-the global norm (a collective where gradients are partitioned), ``after_optimizer_step(engine)``
-(refresh replicated copies), ``zero_grad()``, ``full_parameters()``, ``model_state_tensors()``, and
-for ``DSCompileEngine`` the checkpoint layout (``save_checkpoint`` / ``load_checkpoint``). Built in:
-``DataParallelGradients`` (``runtime/data_parallel.py``, the default), ``ZeroGradients``
-(``runtime/zero_extension.py``, installed by the ZeRO extension), ``TensorParallelGradients``
-(``runtime/tensor_parallel.py``, DP over the TP × DP layout's data-parallel group), ``PipelineGradients``
-(``runtime/pipeline_gradients.py``).
-
-The step (``EngineCore.optimizer_step``, at each accumulation boundary)
------------------------------------------------------------------------
-``gradients.reduce`` → ``on_gradients_ready`` → ``check_overflow`` (agreed across ranks) → on a clean
-step: ``gradients.clip`` (``gradient_clipping`` > 0), ``before_optimizer_step``, ``optimizer.step()``,
-``gradients.after_optimizer_step``, ``lr_scheduler.step()``; on an overflow ``skipped_steps`` += 1
-→ ``optimizer.zero_grad`` + ``gradients.zero_grad`` → ``global_steps`` += 1 →
-``after_optimizer_step``.
-
-Around it the core keeps ``wall_clock_breakdown`` timers and ``memory_breakdown`` snapshots
-(``runtime/engine_metrics.py``; read with ``step_timings()`` / ``step_memory()``) and the
-communication counters (``runtime/comm_stats.py``; ``communication_stats()``).
-
-What every engine has from the core
------------------------------------
-``config``, ``world_size``, ``global_rank`` (``rank``), ``local_rank``, ``device``, ``module``,
-``optimizer``, ``lr_scheduler``, ``global_steps``, ``micro_steps``, ``skipped_steps``, ``gradients``,
-``extensions``, ``communication_data_type``, ``loss_scaler``, ``plan`` (the parallel plan); DeepSpeed's accessors with DeepSpeed's
-signatures (methods, not properties): ``fp16_enabled()``, ``bfloat16_enabled()``,
-``gradient_accumulation_steps()``, ``train_micro_batch_size_per_gpu()``, ``train_batch_size()``,
-``is_gradient_accumulation_boundary()``, ``get_lr()``, ``get_global_grad_norm()``,
-``zero_optimization_stage()``, ``wall_clock_breakdown()``, ``memory_breakdown()``, ``destroy()``;
-and ``step_timings()``, ``step_memory()``, ``communication_stats()``, ``full_parameters()``,
-``model_state_bytes()``, ``save_16bit_model()``, ``core_state_dict()`` / ``load_core_state_dict()``
-(what every checkpoint layout stores beside model and optimizer).
+``EngineCore`` holds the engine's parsed config (``_config``), its place in the world (``world_size``,
+``global_rank``, ``local_rank``), the one parallel plan (``plan``, from ``dscompile/planner.py``), the extensions
+(``runtime/engine_extension.py``) with their ``configure`` / ``counters`` / ``destroy`` hooks, the communication
+counters (``comm_stats``, ``communication_stats()``), ``destroy()`` and the plan's dump. ``TrainingCore``
+(``runtime/training_core.py``) adds the optimizer step for ``DSCompileEngine`` and ``PipelineEngine``;
+``InferenceEngine`` stands on this base alone. Which engine uses which part: docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import math
 import os
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dscompile.errors import DSCompileConfigError
-from dscompile.planner import ParallelPlan, plan_parallel, write_plan
-from dscompile.runtime.checkpoint_io import check_tag_agreement
-from dscompile.runtime.comm_stats import CommStats, collecting
-from dscompile.runtime.devices import collective_device
+from dscompile.planner import ParallelPlan, write_plan
+from dscompile.runtime.comm_stats import CommStats
 from dscompile.runtime.engine_extension import (  # noqa: F401  (extensions import them from here too)
+    INFERENCE,
+    TRAINING,
     EngineExtension,
     ExtensionFactory,
     engine_extension_factories,
     register_engine_extension,
     registered_engine_extensions,
 )
-from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, ThroughputTimer, log_every
-from dscompile.runtime.loss_scaler import MixedPrecision
-
-if TYPE_CHECKING:
-    from dscompile.runtime.process_groups import ProcessGroups
-
-log = logging.getLogger("dscompile.engines.training")
-
-MODEL_STATES = "mp_rank_00_model_states.pt"
-LATEST = "latest"
-
-
-class GradientStrategy:
-    """How the optimizer's tensors get consistent gradients across ranks (one per engine)."""
-
-    name: str = "gradients"
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        raise NotImplementedError
-
-    def reduce(self, engine: EngineCore) -> None:
-        """At the accumulation boundary: make every rank's gradients the global ones."""
-
-    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
-        """Scale gradients so that their global L2 norm is at most ``max_norm``; return the norm."""
-        raise NotImplementedError
-
-    def after_optimizer_step(self, engine: EngineCore) -> None:
-        """After ``optimizer.step()``: refresh what other ranks or copies hold."""
-
-    def zero_grad(self) -> None:
-        """Drop gradients the optimizer's ``zero_grad`` does not reach."""
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def model_state_tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def failure_context(self, rank: int, what: str) -> contextlib.AbstractContextManager[None]:
-        """Wraps forward/backward: turns a failed collective into an error that names the likely cause."""
-        return contextlib.nullcontext()
-
-    def save_checkpoint(self, engine: EngineCore, directory: Any, client_state: dict | None) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not write DSCompileEngine checkpoints")
-
-    def load_checkpoint(
-        self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
-    ) -> dict | None:
-        raise NotImplementedError(f"{type(self).__name__} does not read DSCompileEngine checkpoints")
+from dscompile.runtime.process_exit import init_process_group
 
 
 def world_info() -> tuple[int, int]:
@@ -177,70 +38,37 @@ def world_info() -> tuple[int, int]:
     return 1, 0
 
 
-def _agree_any(flag: bool, group: Any = None) -> bool:
-    """True on every rank when ``flag`` is True on any rank: overflow agreement (one scalar all-reduce, MAX)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())  # NCCL needs it on the GPU
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
+def init_from_launcher(required: bool | None = None, port: int | None = None) -> None:
+    """The default process group from the launcher's environment (torchrun's ``WORLD_SIZE``, ``RANK``, ...), as
+    DeepSpeed's engines make it: only when none exists and the launch names more than one process (or ``required``);
+    ``required=False`` (DeepSpeed's ``dist_init_required``) never makes one. NCCL on a GPU, else gloo."""
+    if not dist.is_available() or dist.is_initialized() or required is False:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not required:
+        return
+    if port is not None:
+        os.environ.setdefault("MASTER_PORT", str(port))
+    init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")  # destroyed again at exit
 
 
 class EngineCore:
-    """State and step logic every engine shares; engines subclass it (see the module docstring).
-
-    Attributes an engine sets before ``init_core``: ``module`` (the user's model). ``init_core``
-    sets the rest; the engine then installs its default ``gradients`` strategy and calls
-    ``configure_extensions``.
-    """
+    """The base of every engine (see the module docstring). An engine sets ``module`` and calls ``init_engine``
+    (a training engine: ``TrainingCore.init_core``), then ``configure_extensions``."""
 
     module: nn.Module
-    # True on the pipeline engine, whose stages the engine runs itself: what is not built for them refuses it
-    runs_pipeline: ClassVar[bool] = False
+    # which registered extension factories configure_extensions builds (engine_extension.TRAINING or INFERENCE)
+    extension_kind: ClassVar[str] = TRAINING
 
-    def init_core(self, config: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, plan: ParallelPlan | None = None) -> None:
-        """``plan``: the engine's parallel plan when it decided it already (the pipeline engine, for its layout);
-        otherwise it is decided here from ``config`` and the world size."""
-        self.config = config
+    def init_engine(self, config: Any, plan: ParallelPlan, *, timed_collectives: bool = False) -> None:
+        """``config``: the engine's parsed config (a ``DSConfig``, an ``InferenceConfig``); ``plan``: the planner's plan
+        for it on this world; ``timed_collectives``: synchronize to time collectives (``wall_clock_breakdown``)."""
+        self._config = config  # DeepSpeed's name in both its engines (``DeepSpeedEngine._config``, ``InferenceEngine._config``)
         self.world_size, self.global_rank = world_info()
-        # the one plan (DESIGN.md): layout, effective ZeRO stage and who carries it out, offload, prefetch, checkpointing
-        self.plan: ParallelPlan = plan if plan is not None else plan_parallel(config, self.world_size)
-        self.zero: Any = None  # the ZeroPartition when ZeRO is on (set by its extension): read by checkpoints and tools
-        # What extensions share, declared here so that none attaches attributes of its own:
-        self.compiles_model = False  # the engine torch.compiles compile_target (TP/SP modules compile their own graph)
-        self.compile_target: nn.Module | None = None  # what the engine compiles and calls (extensions may wrap the model)
-        self.process_groups: ProcessGroups | None = None  # the TP x DP groups (tensor parallelism, or a script's mpu)
-        self.model_parallel_slices: dict[str, Any] | None = None  # a script's mpu: the parameters each rank holds a slice of
-        # set by TP/SP, which split the parameters at the first batch: callbacks that take the split module and return
-        # the one to run (ZeRO partitions the split parameters then)
-        self.after_parameters_split: list[Callable[[nn.Module], nn.Module]] | None = None
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # as DeepSpeed reads it from the launcher
-        self.destroyed = False
-        self.in_engine_backward = False  # True while engine.backward runs (a plain loss.backward() is scaled by hooks)
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._global_grad_norm: float | None = None
-        # DeepSpeed's ZeRO computes the global gradient norm every step, clipping or not (zero_optimization.compute_grad_norm,
-        # set by the ZeRO extension); otherwise it is computed only to clip
-        self.grad_norm_every_step = False
-        # dtype of the gradient reductions done outside graphs (set by the mixed-precision
-        # extension from ``communication_data_type``); None reduces in the gradients' own dtype.
-        self.communication_data_type: torch.dtype | None = None
-        # dtype of the 16-bit copy save_16bit_model writes (the training precision; None: fp32)
-        self.compute_dtype: torch.dtype | None = None
-        self.gradients: GradientStrategy | None = None
+        self.plan: ParallelPlan = plan  # the one plan (DESIGN.md): every layout decision the engine and its passes read
         self.extensions: list[EngineExtension] = []
-        self.timers = StepTimers(bool(config.wall_clock_breakdown))
-        self.memory = MemoryBreakdown(bool(config.memory_breakdown), self.model_state_bytes)
-        self.comm_stats = CommStats(synchronize=bool(config.wall_clock_breakdown))
-        self.last_logged: dict[str, Any] = {}
-        self.offloaded_states: Any = None  # what offload_states parked on the host (an OffloadedStates), until reload_states
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's value (None: counted)
-        throughput = (config.sections.get("timers") or {}).get("throughput", {})
-        self.tput_timer = ThroughputTimer(  # DeepSpeed's; its batch size is set once the layout is known
-            None, config.steps_per_print, enabled=bool(throughput.get("enabled", True)), synchronized=bool(throughput.get("synchronized", True))
-        )
+        self.comm_stats = CommStats(synchronize=timed_collectives)
+        self.destroyed = False
 
     @property
     def rank(self) -> int:
@@ -248,18 +76,14 @@ class EngineCore:
 
     # -- extensions ----------------------------------------------------------------------------
     def configure_extensions(self, config: Any | None = None) -> None:
-        """Build every registered extension that applies to ``config`` and let each configure this engine."""
-        optimizer = self.optimizer
-        for _order, _name, factory in engine_extension_factories():
-            extension = factory(config if config is not None else self.config)
+        """Build every registered extension of this engine's kind that applies to ``config`` (the engine's own when
+        None), let each configure this engine, then dump the plan (with what the extensions added to it)."""
+        for _order, _name, factory in engine_extension_factories(self.extension_kind):
+            extension = factory(config if config is not None else self._config)
             if extension is not None:
                 self.add_extension(extension)
-        if self.optimizer is not optimizer and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "optimizer"):
-            self.lr_scheduler.optimizer = self.optimizer  # an extension moved the optimizer (ZeRO onto the shards)
-        with contextlib.suppress(DSCompileConfigError):  # no batch size in the config: DeepSpeed's timer counts 1 per step
-            self.tput_timer.batch_size = self.train_batch_size()
-        if self.global_rank == 0 and self.config.dump:  # DUMP/plan.txt, with the offload plans the extensions made
-            write_plan(self.plan, self.config.dump)
+        if self.global_rank == 0 and self._config.dump:  # DUMP/plan.txt, with the offload plans the extensions made
+            write_plan(self.plan, self._config.dump)
 
     def add_extension(self, extension: EngineExtension) -> EngineExtension:
         if self.extension(extension.name) is not None:
@@ -275,171 +99,19 @@ class EngineCore:
         for extension in self.extensions:
             getattr(extension, hook)(self, *args)
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            loss = loss.float()  # as DeepSpeed: a 16-bit loss times the loss scale would overflow
-        for extension in self.extensions:
-            loss = extension.scale_loss(self, loss)
-        return loss
-
-    def loss_gradient_seed(self, factor: float) -> float:
-        """The gradient backward starts from for ``factor * loss`` (loss scaling applied): for pipelines."""
-        return float(self.scale_loss(torch.tensor(factor, dtype=torch.float64, device="cpu")))  # a host scalar, read back at once
-
-    @property
-    def loss_scaler(self) -> Any:
-        """The loss scaler in use (the mixed-precision extension's), or None."""
-        extension = self.extension("mixed_precision")
-        return getattr(extension, "scaler", None)
-
-    @loss_scaler.setter
-    def loss_scaler(self, scaler: Any) -> None:
-        extension = self.extension("mixed_precision")
-        if extension is None:
-            if scaler is not None:
-                self.extensions.append(MixedPrecision(scaler=scaler))  # no configure: only the scaler is set
-            return
-        extension.scaler = scaler  # type: ignore[attr-defined]
-
-    # -- the optimizer step ----------------------------------------------------------------------
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """The tensors the optimizer steps (the model's parameters, this rank's ZeRO shards, this stage's)."""
-        assert self.gradients is not None
-        return self.gradients.trainable_parameters()
-
-    def optimizer_step(self) -> bool:
-        """The accumulation boundary: reduce, agree on overflow, clip, step; returns True when skipped."""
-        if self.optimizer is None:
-            raise RuntimeError("engine.step(): no optimizer; pass optimizer= or set 'optimizer' in the config")
-        assert self.gradients is not None
-        self.check_states_resident("engine.step()")
-        with collecting(self.comm_stats):
-            params = self.gradients.trainable_parameters()
-            self.gradients.reduce(self)
-            self._hook("on_gradients_ready", params)
-            overflow = any([extension.check_overflow(self, params) for extension in self.extensions])
-            if self.world_size > 1 and any(e.checks_overflow for e in self.extensions):
-                with self.comm_stats.timed("engine", "overflow_agreement", 4):
-                    overflow = _agree_any(overflow)  # gradients differ per rank: every rank skips or none does
-            if overflow:
-                self.skipped_steps += 1
-                log.warning("step %d skipped: gradient overflow", self.global_steps)
-            else:
-                if self.config.gradient_clipping > 0:
-                    self._global_grad_norm = self.gradients.clip(self, params, self.config.gradient_clipping)
-                elif self.grad_norm_every_step:
-                    self._global_grad_norm = self.gradients.clip(self, params, math.inf)  # an infinite bound scales nothing
-                self._hook("before_optimizer_step", params)
-                self.optimizer.step()
-                self.gradients.after_optimizer_step(self)
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.gradients.zero_grad()
-            self.global_steps += 1
-            self._hook("after_optimizer_step", overflow)
-        return overflow
-
-    def end_optimizer_step(self, *, speak: bool) -> None:
-        """After the step phase closed: per-step timers and memory, and the ``steps_per_print`` log."""
-        self.timers.end_step()
-        if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
-            log.info("step %d: lr %s", self.global_steps, self.get_lr())
-        logged = log_every(log, self.global_steps, self.config.steps_per_print, self.global_rank, self.timers, self.memory, speak=speak)
-        if logged:
-            self.last_logged = logged
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time a phase (``wall_clock_breakdown``), snapshot memory after it, count its collectives."""
-        with self.timers.time(name), self.memory.phase(name), collecting(self.comm_stats):
-            yield
-
-    # -- what users read (DeepSpeed's accessors, with DeepSpeed's signatures) ----------------------
-    @property
-    def device(self) -> torch.device:
-        """Where the model's parameters live (DeepSpeed's ``engine.device``)."""
-        from dscompile.runtime.devices import device_of
-
-        return device_of(self.module.parameters())
-
-    def fp16_enabled(self) -> bool:
-        section = self.config.sections.get("fp16")
-        return bool(section is not None and section.enabled)
-
-    def bfloat16_enabled(self) -> bool:
-        section = self.config.sections.get("bf16")
-        return bool(section is not None and section.enabled)
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return self.config.accumulation_steps
-
-    def data_parallel_world_size(self) -> int:
-        """Ranks that train on different data (every rank here; a pipeline engine counts pipelines;
-        tensor parallelism counts its DP group)."""
-        groups = self.process_groups
-        return groups.dp_size if groups is not None else self.world_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        micro = self.config.train_micro_batch_size_per_gpu
-        if micro is None:
-            tb = self.config.train_batch_size
-            if tb is None:
-                raise DSCompileConfigError(
-                    "train_micro_batch_size_per_gpu", "is not set (nor train_batch_size)", 'add "train_micro_batch_size_per_gpu" to the config'
-                )
-            micro = tb // (self.gradient_accumulation_steps() * self.data_parallel_world_size())
-        return micro
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks: micro batch x accumulation x ranks."""
-        tb = self.config.train_batch_size
-        if tb is None:
-            tb = self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.data_parallel_world_size()
-        return tb
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` applies the optimizer (the last micro-step of a batch), or as set by
-        ``set_gradient_accumulation_boundary``."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """DeepSpeed's manual override of the boundary: set it before each forward/backward, True on the last
-        one, and call ``step()`` once after them (``None`` returns to counting micro-steps)."""
-        self._boundary_override = None if is_boundary is None else bool(is_boundary)
-
-    # -- offload_states / reload_states (DeepSpeed's; runtime/offload/states.py) -------------------
-    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
-        """Copy model states to the host and free their device storage (ZeRO 1-3), as DeepSpeed's.
-
-        ``include``: ``OffloadStateTypeEnum`` members (None: all); ``device``: ``OffloadDeviceEnum.cpu``.
-        Training needs ``reload_states()`` first.
-        """
-        from dscompile.runtime.offload.states import offload
-
-        self.offloaded_states = offload(self, include, device, pin_memory, non_blocking, self.offloaded_states)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what ``offload_states`` moved, bit for bit, into the same tensors."""
-        from dscompile.runtime.offload.states import reload
-
-        if self.offloaded_states is not None:
-            reload(self.offloaded_states, None, non_blocking)
-            self.offloaded_states = None
-
-    def check_states_resident(self, what: str) -> None:
-        """A clear error instead of a shape error when training runs on offloaded states."""
-        if self.offloaded_states is not None and self.offloaded_states.parked:
-            kinds = ", ".join(k.value for k in self.offloaded_states.parked)
-            raise RuntimeError(f"{what}: model states ({kinds}) are offloaded by engine.offload_states(); call engine.reload_states() first")
+    # -- what users read -------------------------------------------------------------------------
+    def communication_stats(self) -> dict[str, Any]:
+        """Collectives since construction: ``{source: {op: {"calls", "bytes"[, "seconds"]}}}``, plus extension counters."""
+        out: dict[str, Any] = self.comm_stats.summary()
+        counters = {e.name: e.counters() for e in self.extensions if e.counters()}
+        if counters:
+            out["extensions"] = counters
+        return out
 
     def destroy(self) -> None:
         """Release compiled graphs, hooks and extension buffers (DeepSpeed's ``destroy``); idempotent.
 
-        The engine cannot train afterwards; its module and optimizer stay usable in plain PyTorch.
+        The engine cannot run afterwards; its module (and a training engine's optimizer) stay usable in plain PyTorch.
         """
         if self.destroyed:
             return
@@ -450,124 +122,6 @@ class EngineCore:
 
     def release_compiled(self) -> None:
         """Drop what the engine compiled (each engine knows its own)."""
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
-
-    def validate_checkpoint_tag(self, tag: str) -> None:
-        """``checkpoint.tag_validation`` (Warn, the default; Fail; Ignore): every rank must save under ``tag``."""
-        check_tag_agreement(tag, str((self.config.sections.get("checkpoint") or {}).get("tag_validation", "Warn")))
-
-    def get_global_grad_norm(self) -> float | None:
-        return self._global_grad_norm
-
-    def zero_optimization_stage(self) -> int:
-        """DeepSpeed's accessor: the ZeRO stage in use (0 when off), as the plan decided it (``plan.zero_by`` says who
-        carries it out: the ZeRO partition, or the pipeline engine's gradient strategy at stage 1)."""
-        return self.plan.zero_stage
-
-    def wall_clock_breakdown(self) -> bool:
-        """DeepSpeed's accessor: whether per-step timers are on (read them with ``step_timings()``)."""
-        return bool(self.config.wall_clock_breakdown)
-
-    def memory_breakdown(self) -> bool:
-        """DeepSpeed's accessor: whether per-phase memory is recorded (read it with ``step_memory()``)."""
-        return bool(self.config.memory_breakdown)
-
-    def step_timings(self) -> dict[str, float]:
-        """Milliseconds of forward, backward and step in the last optimizer step (needs ``wall_clock_breakdown``)."""
-        if not self.timers.enabled:
-            raise DSCompileConfigError("wall_clock_breakdown", "is off, so no step timings were taken", 'set "wall_clock_breakdown": true')
-        return self.timers.last_ms()
-
-    def step_memory(self) -> dict[str, dict[str, int]]:
-        """Memory after each phase of the last step, in bytes (needs ``memory_breakdown``)."""
-        if not self.memory.enabled:
-            raise DSCompileConfigError("memory_breakdown", "is off, so no memory was recorded", 'set "memory_breakdown": true')
-        return {phase: dict(snapshot) for phase, snapshot in self.memory.last.items()}
-
-    def communication_stats(self) -> dict[str, Any]:
-        """Collectives since construction: ``{source: {op: {"calls", "bytes"[, "seconds"]}}}``, plus extension counters."""
-        out: dict[str, Any] = self.comm_stats.summary()
-        counters = {e.name: e.counters() for e in self.extensions if e.counters()}
-        if counters:
-            out["extensions"] = counters
-        return out
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value by name (gathered where partitioned; a collective)."""
-        assert self.gradients is not None
-        return self.gradients.full_parameters()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's ``state_dict`` with every parameter's full value (gathered where partitioned; a collective).
-
-        Tied names share one tensor, as in the module; buffers are the module's own.
-        """
-        full = self.full_parameters()
-        state = dict(self.module.state_dict())
-        first_names: dict[int, str] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            first = first_names.setdefault(id(p), name)
-            if first in full:
-                state[name] = full[first]
-        return state
-
-    def model_state_bytes(self) -> int:
-        """Bytes of parameters, gradients and optimizer states this rank holds (distinct storages)."""
-        from dscompile.runtime.zero_shard import state_bytes
-
-        if self.gradients is None:
-            return 0
-        return state_bytes(self.gradients.model_state_tensors(self.optimizer))
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def core_state_dict(self, client_state: dict | None = None) -> dict[str, Any]:
-        """What every checkpoint layout stores beside the model and optimizer: counters, scheduler, extensions."""
-        return {
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "extensions": {e.name: state for e in self.extensions if (state := e.state_dict()) is not None},
-            "global_steps": self.global_steps,
-            "micro_steps": self.micro_steps,
-            "skipped_steps": self.skipped_steps,
-            "client_state": client_state or {},
-            "ds_config": self.config.raw,
-        }
-
-    def load_core_state_dict(self, state: dict[str, Any], load_lr_scheduler_states: bool = True) -> None:
-        if load_lr_scheduler_states and self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        saved = state.get("extensions", {})
-        for extension in self.extensions:
-            if extension.name in saved:
-                extension.load_state_dict(saved[extension.name])
-        self.global_steps = state["global_steps"]
-        self.micro_steps = state.get("micro_steps", 0)
-        self.skipped_steps = state.get("skipped_steps", 0)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Write the full model in the training precision (rank 0), DeepSpeed's ``save_16bit_model``.
-
-        Under ZeRO-3 the parameters are gathered only when
-        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true, as in DeepSpeed;
-        otherwise nothing is written and False is returned. A collective on every rank.
-        """
-
-        section = self.config.sections.get("zero_optimization")
-        if self.plan.zero_stage == 3 and not (
-            section.stage3_gather_16bit_weights_on_model_save or section.stage3_gather_fp16_weights_on_model_save
-        ):
-            log.warning(
-                "save_16bit_model: nothing saved; under ZeRO-3 set zero_optimization.stage3_gather_16bit_weights_on_model_save "
-                "to true to gather the weights (or use save_checkpoint + zero_to_fp32)"
-            )
-            return False
-        state = self.full_state_dict()
-        if self.global_rank == 0:
-            write_16bit_state(state, self.compute_dtype, save_dir, save_filename)
-        if self.world_size > 1:
-            dist.barrier()
-        return True
 
 
 def wrapped_module_attribute(engine: Any, name: str) -> Any:
@@ -582,35 +136,3 @@ def wrapped_module_attribute(engine: Any, name: str) -> Any:
         except AttributeError:
             pass
     raise AttributeError(f"'{type(engine).__name__}' object has no attribute '{name}'")
-
-
-def write_16bit_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None, save_dir: str, save_filename: str) -> None:
-    """``save_16bit_model``'s file: the full state dict in the training precision (floating tensors cast), one ``torch.save``."""
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    os.makedirs(save_dir, exist_ok=True)
-    torch.save(state, os.path.join(save_dir, save_filename))
-
-
-def scale_gradients_to_norm(params: Iterable[nn.Parameter], total: float, max_norm: float) -> float:
-    """Clip by a global norm computed elsewhere (each gradient strategy sums its own partial norms): scale every
-    gradient by ``max_norm / total`` when that is below 1. Returns ``total``."""
-    coef = min(1.0, max_norm / (total + 1e-6))
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return total
-
-
-def params_or_error(module: nn.Module, needs_training: bool) -> list[nn.Parameter]:
-    """The model's trainable parameters; a clear error when training needs some and there are none."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    if needs_training and not params:
-        raise DSCompileConfigError(
-            "model",
-            f"{type(module).__name__} has no trainable parameters, so there is nothing for the optimizer or ZeRO to train",
-            "pass a model with parameters that require grad (or no optimizer, for inference only)",
-        )
-    return params
-

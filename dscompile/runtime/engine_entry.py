@@ -24,13 +24,13 @@ from torch.utils import _pytree as pytree
 from dscompile.runtime.sixteen_bit import OutputDtypes, upcast_low_precision
 
 if TYPE_CHECKING:
-    from dscompile.runtime.engine_core import EngineCore
+    from dscompile.runtime.training_core import TrainingCore
 
 
 class EngineEntry(nn.Module):
     """``compiled(*args)`` with DeepSpeed's 16-bit convention and ``loss.backward()`` support (module docstring)."""
 
-    def __init__(self, compiled: nn.Module, engine: EngineCore, low: torch.dtype | None, module: nn.Module) -> None:
+    def __init__(self, compiled: nn.Module, engine: TrainingCore, low: torch.dtype | None, module: nn.Module) -> None:
         super().__init__()
         self.compiled = compiled
         self._engine = [engine]  # a list: the engine owns this module, not the other way round

@@ -1,6 +1,11 @@
 """The engine-extension protocol: the hooks a capability's runtime part implements, and the registry of factories
 every engine calls at construction. Apart from ``engine_core`` so that extensions the core itself installs (the
-loss scaler's) can subclass it without importing the core."""
+loss scaler's) can subclass it without importing the core.
+
+Factories register for one kind of engine: ``TRAINING`` (the default; ``DSCompileEngine`` and ``PipelineEngine``
+call them with their ``DSConfig``) or ``INFERENCE`` (``InferenceEngine`` calls them with its ``InferenceConfig``).
+Every engine runs ``configure``, ``counters`` and ``destroy``; the forward, backward and optimizer-step hooks are
+the training core's (``runtime/training_core.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,10 @@ from torch import nn
 
 if TYPE_CHECKING:
     from dscompile.runtime.engine_core import EngineCore
+    from dscompile.runtime.training_core import TrainingCore
+
+TRAINING = "training"
+INFERENCE = "inference"
 
 
 class EngineExtension:
@@ -24,30 +33,30 @@ class EngineExtension:
     def configure(self, engine: EngineCore) -> None:
         """Once, at engine construction, before the model is compiled."""
 
-    def before_forward(self, engine: EngineCore) -> None:
+    def before_forward(self, engine: TrainingCore) -> None:
         """Before each forward."""
 
-    def after_forward(self, engine: EngineCore) -> None:
+    def after_forward(self, engine: TrainingCore) -> None:
         """After each forward."""
 
-    def scale_loss(self, engine: EngineCore, loss: torch.Tensor) -> torch.Tensor:
+    def scale_loss(self, engine: TrainingCore, loss: torch.Tensor) -> torch.Tensor:
         """Before backward: the loss to differentiate (a multiple of ``loss``)."""
         return loss
 
-    def after_backward(self, engine: EngineCore) -> None:
+    def after_backward(self, engine: TrainingCore) -> None:
         """After each backward."""
 
-    def on_gradients_ready(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
+    def on_gradients_ready(self, engine: TrainingCore, params: list[nn.Parameter]) -> None:
         """At the boundary, after the gradient strategy reduced every gradient."""
 
-    def check_overflow(self, engine: EngineCore, params: list[nn.Parameter]) -> bool:
+    def check_overflow(self, engine: TrainingCore, params: list[nn.Parameter]) -> bool:
         """Unscale and report inf/NaN gradients (True skips the step on every rank)."""
         return False
 
-    def before_optimizer_step(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
+    def before_optimizer_step(self, engine: TrainingCore, params: list[nn.Parameter]) -> None:
         """After clipping, before ``optimizer.step()`` (clean steps only)."""
 
-    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+    def after_optimizer_step(self, engine: TrainingCore, overflow: bool) -> None:
         """After every boundary, skipped or not."""
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -67,24 +76,28 @@ class EngineExtension:
 
 ExtensionFactory = Callable[[Any], "EngineExtension | None"]
 _FACTORIES: list[tuple[int, str, ExtensionFactory]] = []
+_KINDS: dict[str, str] = {}  # factory name -> the kind of engine that builds it
 
 
-def register_engine_extension(order: int, name: str) -> Callable[[ExtensionFactory], ExtensionFactory]:
-    """Register ``factory(config) -> EngineExtension | None``; every engine calls it at construction."""
+def register_engine_extension(order: int, name: str, kind: str = TRAINING) -> Callable[[ExtensionFactory], ExtensionFactory]:
+    """Register ``factory(config) -> EngineExtension | None``; every engine of ``kind`` calls it at construction."""
+    if kind not in (TRAINING, INFERENCE):
+        raise ValueError(f"engine extension {name!r}: kind must be {TRAINING!r} or {INFERENCE!r}, got {kind!r}")
 
     def decorator(factory: ExtensionFactory) -> ExtensionFactory:
         _FACTORIES[:] = [f for f in _FACTORIES if f[1] != name]
         _FACTORIES.append((order, name, factory))
         _FACTORIES.sort(key=lambda f: (f[0], f[1]))
+        _KINDS[name] = kind
         return factory
 
     return decorator
 
 
-def registered_engine_extensions() -> list[tuple[int, str]]:
-    return [(order, name) for order, name, _ in _FACTORIES]
+def registered_engine_extensions(kind: str = TRAINING) -> list[tuple[int, str]]:
+    return [(order, name) for order, name, _ in engine_extension_factories(kind)]
 
 
-def engine_extension_factories() -> list[tuple[int, str, ExtensionFactory]]:
-    """The registered factories in the order engines build them."""
-    return list(_FACTORIES)
+def engine_extension_factories(kind: str = TRAINING) -> list[tuple[int, str, ExtensionFactory]]:
+    """The factories registered for ``kind``, in the order engines build them."""
+    return [f for f in _FACTORIES if _KINDS.get(f[1], TRAINING) == kind]

@@ -40,7 +40,7 @@ from dscompile.runtime.engine_extension import EngineExtension
 from dscompile.runtime.sixteen_bit import cast_state_dict_to
 
 if TYPE_CHECKING:
-    from dscompile.runtime.engine_core import EngineCore
+    from dscompile.runtime.training_core import TrainingCore
 
 log = logging.getLogger("dscompile.runtime.loss_scaler")
 
@@ -223,7 +223,7 @@ class MixedPrecision(EngineExtension):
         self._state_dict_hook: Any = None
         self._module: nn.Module | None = None
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         if self.comm_dtype is not None:
             engine.communication_data_type = self.comm_dtype
         if self.precision is None:
@@ -240,7 +240,7 @@ class MixedPrecision(EngineExtension):
             self._module = engine.module
             self._state_dict_hook = cast_state_dict_to(engine.module, self.compute_dtype)  # DeepSpeed's module is the 16-bit copy
 
-    def destroy(self, engine: EngineCore) -> None:
+    def destroy(self, engine: TrainingCore) -> None:
         if self._state_dict_hook is not None:
             self._state_dict_hook.remove()
             del self._module._dscompile_16bit_state_dict  # type: ignore[union-attr]
@@ -250,13 +250,13 @@ class MixedPrecision(EngineExtension):
     def checks_overflow(self) -> bool:  # type: ignore[override]
         return self.scaler is not None
 
-    def scale_loss(self, engine: EngineCore, loss: torch.Tensor) -> torch.Tensor:
+    def scale_loss(self, engine: TrainingCore, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def check_overflow(self, engine: EngineCore, params: list[nn.Parameter]) -> bool:
+    def check_overflow(self, engine: TrainingCore, params: list[nn.Parameter]) -> bool:
         return bool(self.scaler.unscale_and_check(params)) if self.scaler is not None else False
 
-    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+    def after_optimizer_step(self, engine: TrainingCore, overflow: bool) -> None:
         if self.scaler is not None:
             self.scaler.update(overflow)
 
@@ -278,5 +278,5 @@ class LowPrecisionMasters(EngineExtension):
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         engine.module.to(self.dtype)  # in place: the parameters stay the objects the optimizer holds

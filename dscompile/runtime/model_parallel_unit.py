@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
-from dscompile.runtime.engine_core import EngineCore, GradientStrategy
+from dscompile.runtime.gradient_strategy import GradientStrategy
 from dscompile.runtime.process_groups import ParallelLayout, ProcessGroups, set_current_process_groups
 from dscompile.runtime.tensor_parallel import SliceSpec
 from dscompile.runtime.tensor_parallel_gradients import TensorParallelGradients, TensorParallelOver
+from dscompile.runtime.training_core import TrainingCore
 
 
 def _ask(mpu: Any, *names: str) -> Any:
@@ -90,7 +91,7 @@ def model_parallel_slices(module: torch.nn.Module) -> dict[str, SliceSpec]:
     return slices
 
 
-def prepare_model_parallel(engine: EngineCore, groups: ProcessGroups) -> None:
+def prepare_model_parallel(engine: TrainingCore, groups: ProcessGroups) -> None:
     """Before the extensions: the groups on the engine (ZeRO shards over ``dp_group``), the replicas of each slice equal."""
     engine.process_groups = groups
     engine.model_parallel_slices = model_parallel_slices(engine.module)
@@ -100,7 +101,7 @@ def prepare_model_parallel(engine: EngineCore, groups: ProcessGroups) -> None:
                 dist.broadcast(tensor, src=groups.dp_ranks[0], group=groups.dp_group)
 
 
-def model_parallel_gradients(engine: EngineCore, groups: ProcessGroups) -> GradientStrategy:
+def model_parallel_gradients(engine: TrainingCore, groups: ProcessGroups) -> GradientStrategy:
     """Data parallelism over the DP group with TP-aware norms and checkpoints, or the ZeRO strategy wrapped alike."""
     slices = engine.model_parallel_slices or {}
     if engine.gradients is None:

@@ -24,7 +24,8 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.planner import ParallelLayout
 from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.devices import collective_device
-from dscompile.runtime.engine_core import EngineCore, GradientStrategy
+from dscompile.runtime.gradient_strategy import GradientStrategy
+from dscompile.runtime.training_core import TrainingCore
 
 
 class PipelineGradients(GradientStrategy):
@@ -101,7 +102,7 @@ class PipelineGradients(GradientStrategy):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return list(self.params)
 
-    def _all_reduce(self, engine: EngineCore, params: list[nn.Parameter], group: Any, what: str, divide: int = 1) -> None:
+    def _all_reduce(self, engine: TrainingCore, params: list[nn.Parameter], group: Any, what: str, divide: int = 1) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dtype = flat.dtype
@@ -121,13 +122,13 @@ class PipelineGradients(GradientStrategy):
                 p.grad.copy_(value)
             offset += p.numel()
 
-    def reduce(self, engine: EngineCore) -> None:
+    def reduce(self, engine: TrainingCore) -> None:
         for params, group in self.tied:
             self._all_reduce(engine, params, group, "tied_all_reduce")
         if self.dp_size > 1:
             self._all_reduce(engine, self.params, self.dp_group, "data_parallel_all_reduce", self.dp_size)
 
-    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+    def clip(self, engine: TrainingCore, params: list[nn.Parameter], max_norm: float) -> float:
         """Clip by the norm of the whole model: each tied parameter is counted once (lowest rank), and so is
         each parameter tensor parallelism replicates (TP rank 0's); split ones add their slices' squares."""
         skip: set[int] = set()
@@ -153,11 +154,11 @@ class PipelineGradients(GradientStrategy):
                     p.grad.mul_(coef)
         return norm
 
-    def after_optimizer_step(self, engine: EngineCore) -> None:
+    def after_optimizer_step(self, engine: TrainingCore) -> None:
         if self.zero1_sharded:
             self._broadcast_updated(engine)
 
-    def _broadcast_updated(self, engine: EngineCore) -> None:
+    def _broadcast_updated(self, engine: TrainingCore) -> None:
         """ZeRO-1: every replica sends the parameters it stepped to the others of its stage."""
         group = self.dp_group
         with torch.no_grad():

@@ -21,10 +21,11 @@ from dscompile.runtime import tensor_parallel_checkpoint
 from dscompile.runtime.checkpoint_formats import checkpoint_kind, read_full_state
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.devices import accelerator_devices, capture_rng
-from dscompile.runtime.engine_core import EngineCore, GradientStrategy, scale_gradients_to_norm
+from dscompile.runtime.gradient_strategy import GradientStrategy, scale_gradients_to_norm
 from dscompile.runtime.process_groups import ProcessGroups
 from dscompile.runtime.sixteen_bit import module_states
 from dscompile.runtime.tensor_parallel import SliceSpec, gather_slices, slicing_metadata, tp_file_name
+from dscompile.runtime.training_core import TrainingCore
 from dscompile.runtime.zero_checkpoint import optimizer_param_names
 
 
@@ -46,7 +47,7 @@ class TensorParallelGradients(DataParallelGradients):
         specs = self._slices()
         return {id(p): specs[n].replicas for n, p in self.module.named_parameters() if n in specs}
 
-    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+    def clip(self, engine: TrainingCore, params: list[nn.Parameter], max_norm: float) -> float:
         sliced = self._sliced_ids()
         grads = [p for p in params if p.grad is not None]
         if not grads:
@@ -75,7 +76,7 @@ class TensorParallelGradients(DataParallelGradients):
         return out
 
     # -- checkpoints: one file per TP rank (DeepSpeed's mp_rank_XX names), written by DP rank 0 --------
-    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+    def save_checkpoint(self, engine: TrainingCore, ckpt: Any, client_state: dict | None) -> None:
         """``mp_rank_{tp:02d}_model_states.pt``: this rank's slices, optimizer, the core's share, and the slicing."""
         specs = self._slices()
         if not specs:
@@ -98,7 +99,7 @@ class TensorParallelGradients(DataParallelGradients):
         ckpt.save(state, tp_file_name(self.groups.tp_rank))
 
     def load_checkpoint(
-        self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+        self, engine: TrainingCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
         """Any checkpoint (TP of any size, with or without ZeRO; ZeRO; DeepSpeed's) cut to this rank's slices."""
         full, kind = read_full_state(directory, engine), checkpoint_kind(directory)
@@ -122,10 +123,10 @@ class TensorParallelOver(GradientStrategy):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.inner.trainable_parameters()
 
-    def reduce(self, engine: EngineCore) -> None:
+    def reduce(self, engine: TrainingCore) -> None:
         self.inner.reduce(engine)
 
-    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+    def clip(self, engine: TrainingCore, params: list[nn.Parameter], max_norm: float) -> float:
         """By the global norm: shard squares summed over the DP group, and the TP slices' also over the TP group."""
         partition = engine.zero  # type: ignore[attr-defined]
         specs = self._slices()
@@ -144,7 +145,7 @@ class TensorParallelOver(GradientStrategy):
         total = float(sq.sum().sqrt())
         return scale_gradients_to_norm(params, total, max_norm)
 
-    def after_optimizer_step(self, engine: EngineCore) -> None:
+    def after_optimizer_step(self, engine: TrainingCore) -> None:
         self.inner.after_optimizer_step(engine)
 
     def zero_grad(self) -> None:
@@ -160,7 +161,7 @@ class TensorParallelOver(GradientStrategy):
     def failure_context(self, rank: int, what: str) -> Any:
         return self.inner.failure_context(rank, what)
 
-    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+    def save_checkpoint(self, engine: TrainingCore, ckpt: Any, client_state: dict | None) -> None:
         """Each TP rank's ZeRO group writes a ZeRO checkpoint of its slices (DeepSpeed's ``mp_rank_XX`` names)."""
         if getattr(engine, "zero", None) is None:  # refused on every rank alike, before anything is written
             raise DSCompileConfigError(
@@ -169,7 +170,7 @@ class TensorParallelOver(GradientStrategy):
         tensor_parallel_checkpoint.save_under_zero(engine, ckpt, client_state, self.groups, self._slices())
 
     def load_checkpoint(
-        self, engine: EngineCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+        self, engine: TrainingCore, directory: Any, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
         """Any checkpoint cut to this rank's slices, then sharded as ZeRO holds them."""
         full, kind = read_full_state(directory, engine), checkpoint_kind(directory)

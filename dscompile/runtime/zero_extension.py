@@ -30,8 +30,10 @@ import torch
 from torch import nn
 
 from dscompile.errors import DSCompileConfigError
-from dscompile.runtime.engine_core import EngineCore, EngineExtension, GradientStrategy, params_or_error, scale_gradients_to_norm
+from dscompile.runtime.engine_core import EngineExtension
+from dscompile.runtime.gradient_strategy import GradientStrategy, scale_gradients_to_norm
 from dscompile.runtime.optimizers import DeepSpeedCPUAdam, FusedAdam
+from dscompile.runtime.training_core import TrainingCore, params_or_error
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure, model_state_tensors
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -126,7 +128,7 @@ class ZeroGradients(GradientStrategy):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return list(self.partition.shards)
 
-    def reduce(self, engine: EngineCore) -> None:
+    def reduce(self, engine: TrainingCore) -> None:
         zero = self.partition
         if zero.stage != 1:
             if not self.ignore_unused_parameters:
@@ -147,13 +149,13 @@ class ZeroGradients(GradientStrategy):
         else:  # shards' gradients come from graphs every rank runs alike
             zero.check_unused()
 
-    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+    def clip(self, engine: TrainingCore, params: list[nn.Parameter], max_norm: float) -> float:
         world = self.partition.world
         with engine.comm_stats.timed("zero", "clip_norm.all_reduce", 4 if world > 1 else 0):
             total = float(self.partition.grad_norm_squared().sqrt())  # one fp32 scalar summed over the ranks
         return scale_gradients_to_norm(params, total, max_norm)
 
-    def after_optimizer_step(self, engine: EngineCore) -> None:
+    def after_optimizer_step(self, engine: TrainingCore) -> None:
         zero = self.partition
         if not any(layout.persistent for layout in zero.layouts):
             return  # ZeRO-3 with nothing kept whole: the graphs gather what they use
@@ -175,13 +177,13 @@ class ZeroGradients(GradientStrategy):
         """Under multi-rank ZeRO a failed collective means a dead, stalled or diverged peer: say so."""
         return explain_collective_failure(rank, f"ZeRO {what}") if self.partition.world > 1 else contextlib.nullcontext()
 
-    def save_checkpoint(self, engine: EngineCore, ckpt: Any, client_state: dict | None) -> None:
+    def save_checkpoint(self, engine: TrainingCore, ckpt: Any, client_state: dict | None) -> None:
         from dscompile.runtime import zero_checkpoint
 
         zero_checkpoint.save(engine, ckpt, client_state)
 
     def load_checkpoint(
-        self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+        self, engine: TrainingCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
         from dscompile.runtime import zero_checkpoint
 
@@ -197,7 +199,7 @@ class ZeroExtension(EngineExtension):
         self.zc = zc
         self.partition: ZeroPartition | None = None
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         if not self.zc.compute_grad_norm and engine.config.gradient_clipping > 0:
             raise DSCompileConfigError(
                 "zero_optimization.compute_grad_norm", "false needs gradient_clipping 0: clipping computes the norm (as DeepSpeed refuses it)",
@@ -213,7 +215,7 @@ class ZeroExtension(EngineExtension):
             return
         self._partition(engine)
 
-    def _partition_split(self, engine: EngineCore, split: nn.Module) -> nn.Module:
+    def _partition_split(self, engine: TrainingCore, split: nn.Module) -> nn.Module:
         """Partition the parameters of a model split at its first batch; the module to run in its place.
 
         ``split`` runs the model on the same ``nn.Parameter`` objects, under the same names (tensor
@@ -226,7 +228,7 @@ class ZeroExtension(EngineExtension):
             return ZeroModule(split, self.partition)
         return split
 
-    def _partition(self, engine: EngineCore, keep_optimizer_object: bool = False) -> None:
+    def _partition(self, engine: TrainingCore, keep_optimizer_object: bool = False) -> None:
         zc = self.zc
         params = params_or_error(engine.module, needs_training=True)
         threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0

@@ -20,14 +20,15 @@ from dscompile.passes.tensor_parallel.config import TensorParallelConfig, split_
 from dscompile.passes.tensor_parallel.graph_facts import SECTION
 from dscompile.passes.tensor_parallel.module import TensorParallelModule
 from dscompile.passes.tensor_parallel.split import TensorParallelPlan
-from dscompile.runtime.engine_core import EngineCore, EngineExtension, register_engine_extension
+from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, process_groups_for
 from dscompile.runtime.tensor_parallel import SliceSpec, gather_slices
 from dscompile.runtime.tensor_parallel_checkpoint import restore_optimizer
 from dscompile.runtime.tensor_parallel_gradients import TensorParallelGradients, TensorParallelOver
+from dscompile.runtime.training_core import TrainingCore
 
 
-def refuse_untested_compositions(engine: EngineCore) -> None:
+def refuse_untested_compositions(engine: TrainingCore) -> None:
     """What tensor parallelism is not built to combine with yet: a clear error, never a silently wrong step."""
     sections = engine.config.sections
     zero = sections.get("zero_optimization")
@@ -63,7 +64,7 @@ class TensorParallelExtension(EngineExtension):
         self.groups: ProcessGroups | None = None
         self.module: TensorParallelModule | None = None
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         refuse_untested_compositions(engine)
         groups = process_groups_for(self.tc.autotp_size)  # those tp_model_init laid out, or new ones
         self.groups = groups

@@ -44,7 +44,8 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError
 from dscompile.runtime.compression.scheduler import CompressionScheduler, scheduler_of
 from dscompile.runtime.compression.state import PREPARED
-from dscompile.runtime.engine_core import EngineCore, EngineExtension
+from dscompile.runtime.engine_core import EngineExtension
+from dscompile.runtime.training_core import TrainingCore
 
 log = logging.getLogger("dscompile.compression")
 
@@ -64,7 +65,7 @@ class CompressionExtension(EngineExtension):
         self._shards_linked = False
 
     # -- construction ----------------------------------------------------------------------------
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         if engine.config.sections.get("pipeline_parallel") is not None:
             raise DSCompileConfigError(
                 SECTION,
@@ -83,7 +84,7 @@ class CompressionExtension(EngineExtension):
         self.applied_steps = max(scheduler.global_step, 0)  # a script may have stepped it before initialize
         scheduler.step(self.applied_steps)
 
-    def _follow_model(self, engine: EngineCore, before: dict[int, nn.Parameter]) -> None:
+    def _follow_model(self, engine: TrainingCore, before: dict[int, nn.Parameter]) -> None:
         """Preparing changed the model's parameters: the optimizer (built over the old ones) follows."""
         model = engine.module
         now = {id(p): p for p in model.parameters()}
@@ -133,7 +134,7 @@ class CompressionExtension(EngineExtension):
                     )
 
     # -- hooks -------------------------------------------------------------------------------------
-    def before_forward(self, engine: EngineCore) -> None:
+    def before_forward(self, engine: TrainingCore) -> None:
         if not self._shards_linked and engine.zero is not None and engine.zero.stage >= 2:
             for full, shard in zip(engine.zero.full_params, engine.zero.shards):
                 if hasattr(full, "ds_compression"):
@@ -142,11 +143,11 @@ class CompressionExtension(EngineExtension):
                     setattr(shard, PREPARED, True)
             self._shards_linked = True
 
-    def before_optimizer_step(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
+    def before_optimizer_step(self, engine: TrainingCore, params: list[nn.Parameter]) -> None:
         assert self.scheduler is not None
         self.scheduler.after_backward()  # snip_momentum only; reads module.weight.grad (no ZeRO: refused)
 
-    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+    def after_optimizer_step(self, engine: TrainingCore, overflow: bool) -> None:
         if overflow:
             return  # DeepSpeed counts applied steps only
         assert self.scheduler is not None

@@ -56,11 +56,12 @@ from dscompile.runtime.comm_stats import CommStats as EngineCommStats
 from dscompile.runtime.comm_stats import tensor_bytes
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.devices import collective_device
-from dscompile.runtime.engine_core import MODEL_STATES, EngineCore, EngineExtension
+from dscompile.runtime.engine_core import EngineExtension
 from dscompile.runtime.onebit.base import CompressedCommOptimizer
 from dscompile.runtime.onebit.comm import CommStats, wire_bytes
 from dscompile.runtime.onebit.zero import ZERO3_REFUSAL, OneBitZeroGradients
 from dscompile.runtime.onebit.zero_one_adam import ZeroOneAdam
+from dscompile.runtime.training_core import MODEL_STATES, TrainingCore
 from dscompile.runtime.zero_extension import ZeroGradients
 from dscompile.runtime.zero_shard import check_unused_parameters
 
@@ -102,14 +103,14 @@ class OneBitGradients(DataParallelGradients):
         """``(bucket, during_backward)`` for the exchanges (fp32 all-reduce or the optimizer's compressed one) started
         from backward in the last step."""
         self._hooks: list[Any] = []
-        self._engine: EngineCore | None = None
+        self._engine: TrainingCore | None = None
         self._bucket_of = {id(p): b for b, bucket in enumerate(optimizer.buckets) for p in bucket.params}
         self._fp32_pending: list[tuple[int, Any, torch.Tensor]] = []
         """``(bucket, work handle, flat buffer)`` of the fp32 all-reduces started from backward, in issue order."""
         self._reset_pending(optimizer)
 
     # -- overlap with backward: each bucket's exchange starts once its gradients are final ---------------------------
-    def attach(self, engine: EngineCore) -> None:
+    def attach(self, engine: TrainingCore) -> None:
         """Start each bucket's exchange from backward (post-accumulate-grad hooks), in a fixed bucket order on every
         rank, asynchronously: the fp32 all-reduce of a warm-up step (waited at the boundary), the compressed exchange
         of an optimizer with ``exchange_early`` (1-bit Adam, 1-bit LAMB, 0/1 Adam's compressed steps; its all-to-all
@@ -134,7 +135,7 @@ class OneBitGradients(DataParallelGradients):
         self._log_open = False
         self._fp32_pending = []
 
-    def _overlapping(self, engine: EngineCore) -> bool:
+    def _overlapping(self, engine: TrainingCore) -> bool:
         """The coming step is a compressed one that uses these gradients unchanged: no clipping, no overflow skip."""
         optimizer = engine.optimizer
         return (
@@ -146,7 +147,7 @@ class OneBitGradients(DataParallelGradients):
             and not optimizer.needs_averaged_gradients()  # type: ignore[union-attr]
         )
 
-    def _fp32_overlapping(self, engine: EngineCore) -> bool:
+    def _fp32_overlapping(self, engine: TrainingCore) -> bool:
         """The coming step averages gradients in fp32 (or ``communication_data_type``) as ``DataParallelGradients.reduce``
         does: its all-reduce may start bucket by bucket, with the same casts and pre-/post-division per element.
         Clipping and the overflow check act on the averaged gradients after the boundary, as without overlap."""
@@ -176,7 +177,7 @@ class OneBitGradients(DataParallelGradients):
                 self.exchange_log.append((self._next, engine.in_engine_backward))
             self._next -= 1
 
-    def _start_fp32(self, engine: EngineCore, b: int) -> None:
+    def _start_fp32(self, engine: TrainingCore, b: int) -> None:
         """Start bucket ``b``'s all-reduce (async) of what ``DataParallelGradients.reduce`` sends for it
         (``reduce_buffer``: gradients and presence flags, cast and pre-divided as configured)."""
         params = engine.optimizer.buckets[b].params  # type: ignore[union-attr]
@@ -184,7 +185,7 @@ class OneBitGradients(DataParallelGradients):
         engine.comm_stats.record("data_parallel", "all_reduce", tensor_bytes(flat))
         self._fp32_pending.append((b, dist.all_reduce(flat, group=self.group, async_op=True), flat))
 
-    def _finish_fp32(self, engine: EngineCore) -> None:
+    def _finish_fp32(self, engine: TrainingCore) -> None:
         """Start what backward did not (same order on every rank), wait for every bucket, average, check unused."""
         while self._next >= 0:
             self._start_fp32(engine, self._next)
@@ -215,7 +216,7 @@ class OneBitGradients(DataParallelGradients):
                     p.grad = torch.empty_like(p).copy_(piece) if p.grad is None else p.grad.copy_(piece)  # back in the gradient's dtype
                 offset += p.numel()
 
-    def reduce(self, engine: EngineCore) -> None:
+    def reduce(self, engine: TrainingCore) -> None:
         try:
             if not self._log_open:
                 self.exchange_log = []  # nothing started from backward: exchanges happen here or in the optimizer's step
@@ -227,7 +228,7 @@ class OneBitGradients(DataParallelGradients):
         finally:
             self._reset_pending(engine.optimizer)  # type: ignore[arg-type]
 
-    def clip(self, engine: EngineCore, params: list[nn.Parameter], max_norm: float) -> float:
+    def clip(self, engine: TrainingCore, params: list[nn.Parameter], max_norm: float) -> float:
         """Averaged gradients: by their norm (the same on every rank). Each rank's own gradients (after the freeze):
         every rank scales its own by ``max_norm / (mean of the ranks' norms + 1e-6)`` (at most 1), as DeepSpeed 0.19.5's
         ``clip_grad_norm_`` does; one scalar all-reduce."""
@@ -244,14 +245,14 @@ class OneBitGradients(DataParallelGradients):
             torch._foreach_mul_(grads, coefficient)
         return float(mean)
 
-    def save_checkpoint(self, engine: EngineCore, ckpt: CheckpointWriter, client_state: dict | None) -> None:
+    def save_checkpoint(self, engine: TrainingCore, ckpt: CheckpointWriter, client_state: dict | None) -> None:
         """Rank 0's model states as without 1-bit, plus every rank's own compression errors and counters."""
         super().save_checkpoint(engine, ckpt, client_state)
         share = engine.optimizer.state_dict()["onebit"]  # type: ignore[union-attr]
         ckpt.save({"rank": self.rank, "world_size": self.world_size, "onebit": share}, rank_file(self.rank))
 
     def load_checkpoint(
-        self, engine: EngineCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+        self, engine: TrainingCore, directory: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
     ) -> dict | None:
         client = super().load_checkpoint(engine, directory, False, load_lr_scheduler_states, load_module_only)
         if load_module_only or not load_optimizer_states or engine.optimizer is None:
@@ -296,7 +297,7 @@ class OneBitExtension(EngineExtension):
         self._seen = 0
         self.history: list[dict[str, Any]] = []
 
-    def configure(self, engine: EngineCore) -> None:
+    def configure(self, engine: TrainingCore) -> None:
         optimizer = engine.optimizer
         if not isinstance(optimizer, CompressedCommOptimizer):
             return  # not a 1-bit optimizer: nothing to do
@@ -328,11 +329,11 @@ class OneBitExtension(EngineExtension):
         numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
         self.fp32_bytes_per_step = wire_bytes("all_reduce", 4 * numel, self.world)
 
-    def on_gradients_ready(self, engine: EngineCore, params: list[nn.Parameter]) -> None:
+    def on_gradients_ready(self, engine: TrainingCore, params: list[nn.Parameter]) -> None:
         if self.optimizer is not None:
             self.phase = _phase(engine.optimizer)  # type: ignore[arg-type]
 
-    def after_optimizer_step(self, engine: EngineCore, overflow: bool) -> None:
+    def after_optimizer_step(self, engine: TrainingCore, overflow: bool) -> None:
         if self.optimizer is None:
             return
         sent = bytes_sent(engine.comm_stats, self.world)
@@ -354,7 +355,7 @@ class OneBitExtension(EngineExtension):
                 self.fp32_bytes_per_step,
             )
 
-    def _dump(self, directory: Path, engine: EngineCore) -> None:
+    def _dump(self, directory: Path, engine: TrainingCore) -> None:
         """``communication_rank<r>.json`` in the dump directory: bytes this rank sent per step, per phase (``dscompile dump``
         and ``dump.print_summaries`` show them beside the graphs)."""
         self.history.append({"step": engine.global_steps, "phase": self.phase, "bytes_sent": self.last_step_bytes})
@@ -369,7 +370,7 @@ class OneBitExtension(EngineExtension):
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"communication_rank{engine.global_rank}.json").write_text(json.dumps(record, indent=1))
 
-    def destroy(self, engine: EngineCore) -> None:
+    def destroy(self, engine: TrainingCore) -> None:
         if isinstance(engine.gradients, (OneBitZeroGradients, OneBitGradients)):
             engine.gradients.detach()
 

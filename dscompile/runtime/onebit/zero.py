@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dscompile.runtime.comm_stats import tensor_bytes
-from dscompile.runtime.engine_core import EngineCore, _agree_any
 from dscompile.runtime.onebit.comm import Collectives, CommStats, CompressedReduceScatter, reduce_scatter_chunk
+from dscompile.runtime.training_core import TrainingCore, _agree_any
 from dscompile.runtime.zero_extension import ZeroGradients
 from dscompile.runtime.zero_shard import ZeroPartition
 
@@ -63,7 +63,7 @@ class OneBitZeroGradients(ZeroGradients):
         self.kernel_impl = kernel_impl
         self.comm = Collectives(partition.group, CommStats())
         self.buckets = list(partition._buckets(range(len(partition.layouts))))  # fixed: every parameter, every step
-        self.engine: EngineCore | None = None
+        self.engine: TrainingCore | None = None
         self.exchange_log: list[tuple[int, bool]] = []
         """``(bucket, during_backward)`` for every bucket exchanged in the last step, in issue order."""
         self._bucket_of = {id(partition.full_params[i]): b for b, bucket in enumerate(self.buckets) for i in bucket}
@@ -71,7 +71,7 @@ class OneBitZeroGradients(ZeroGradients):
         self._reset_pending()
 
     # -- overlap with backward ------------------------------------------------------------------
-    def attach(self, engine: EngineCore) -> None:
+    def attach(self, engine: TrainingCore) -> None:
         """Register the gradient-ready hooks (once, when the engine installs this strategy)."""
         self.engine = engine
         for p in self.partition.full_params:
@@ -92,7 +92,7 @@ class OneBitZeroGradients(ZeroGradients):
         self._log_open = False
         self._next = len(self.buckets) - 1  # buckets are issued last first (backward's order), the same order on every rank
 
-    def _overlapping(self, engine: EngineCore) -> bool:
+    def _overlapping(self, engine: TrainingCore) -> bool:
         """Whether this backward may exchange buckets as they become ready."""
         return (
             engine.in_engine_backward
@@ -114,7 +114,7 @@ class OneBitZeroGradients(ZeroGradients):
             self._next -= 1
 
     # -- the boundary ---------------------------------------------------------------------------
-    def reduce(self, engine: EngineCore) -> None:
+    def reduce(self, engine: TrainingCore) -> None:
         try:
             if self._next < len(self.buckets) - 1:  # hooks exchanged some: finish the rest in the same order
                 self._finish(engine)
@@ -127,7 +127,7 @@ class OneBitZeroGradients(ZeroGradients):
         finally:
             self._reset_pending()
 
-    def _finish(self, engine: EngineCore) -> None:
+    def _finish(self, engine: TrainingCore) -> None:
         """Start what backward did not (the same order on every rank), then wait for every bucket in issue order and
         add its averaged gradient to the shards."""
         while self._next >= 0:
@@ -147,7 +147,7 @@ class OneBitZeroGradients(ZeroGradients):
                 offset += length
         self._in_flight = []
 
-    def _fp32_reduce(self, engine: EngineCore) -> None:
+    def _fp32_reduce(self, engine: TrainingCore) -> None:
         """ZeRO-1's reduce-scatter (the warm-up), at any stage."""
         zero = self.partition
         zero.comm_dtype = engine.communication_data_type
@@ -158,7 +158,7 @@ class OneBitZeroGradients(ZeroGradients):
             zero.reduce_gradients()
 
     @torch.no_grad()
-    def _compressed_reduce(self, engine: EngineCore) -> None:
+    def _compressed_reduce(self, engine: TrainingCore) -> None:
         zero = self.partition
         if zero.world > 1 and any(e.checks_overflow for e in engine.extensions):
             grads = [p.grad for p in zero.full_params if p.grad is not None]
@@ -173,7 +173,7 @@ class OneBitZeroGradients(ZeroGradients):
         self._finish(engine)
 
     @torch.no_grad()
-    def _exchange(self, engine: EngineCore, b: int, during_backward: bool) -> None:
+    def _exchange(self, engine: TrainingCore, b: int, during_backward: bool) -> None:
         """Start bucket ``b``'s reduce-scatter (fp32 or 1-bit, asynchronous) and free its full gradients; the boundary
         (``_finish``) waits for it and writes the shards' gradients."""
         if not self._log_open:
@@ -210,7 +210,7 @@ class OneBitZeroGradients(ZeroGradients):
         g = p.grad.reshape(-1) if p.grad is not None else p.new_zeros(layout.numel)
         return F.pad(g, (0, layout.shard_numel * zero.world - layout.numel)).view(zero.world, -1)
 
-    def _fp32_bucket(self, engine: EngineCore, rows: torch.Tensor) -> Any:
+    def _fp32_bucket(self, engine: TrainingCore, rows: torch.Tensor) -> Any:
         """Start one bucket of ZeRO-1's fp32 reduce-scatter, operation for operation (the warm-up equals it bitwise);
         returns what waits for it and averages."""
         zero = self.partition
