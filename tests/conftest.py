@@ -46,6 +46,10 @@ def _fresh_dynamo():
 
 def pytest_configure(config):
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if hasattr(config.option, "loadscopereorder"):
+        # pytest-xdist's loadfile sorts files by their number of tests unless told not to, which overrode
+        # LONGEST_FILES: the 8-test Trainer file (the longest) started an hour into a full run
+        config.option.loadscopereorder = False
 
 
 def pytest_runtest_logreport(report):
@@ -79,7 +83,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The files that take longest (their tests' summed --durations on 2 cores, a full run on 2026-12-06), longest first.
-# ``pytest -n auto --dist loadfile`` hands files to workers in collection order, so starting these first
+# ``pytest -n auto --dist loadfile`` hands files to workers in collection order (with xdist's reordering by test
+# count turned off in pytest_configure), so starting these first
 # keeps one worker from finishing a long file alone at the end while the others idle.
 LONGEST_FILES = (
     "test_hf_trainer.py",  # 470 s
