@@ -339,3 +339,80 @@ def test_the_checkpoint_pass_reads_the_plan() -> None:
     assert (options.policy, options.budget, options.number_checkpoints) == ("full", None, 2)
     with compiling_under(replace(plan_parallel(config, 1), checkpointing=CheckpointingPlan())):
         assert "checkpoint" not in _options(pipeline_from_config(config))
+
+
+def _pipelines_compiled(engine: Any, batch: tuple[Any, ...]) -> list[str]:
+    """The pass pipelines the backend logs while ``engine`` runs one training step on ``batch``."""
+    import logging
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if ": pipeline " in record.getMessage():
+                messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("dscompile.frontend"), Keep()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        engine.backward(engine(*batch))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return messages
+
+
+def replanned_tensor_parallel_rank(rank: int, world: int) -> list[str]:
+    """TP=2 with ZeRO-2: a schedule and a checkpointing plan swapped into ``engine.plan`` before the first batch reach
+    the split graph, which the TP module compiles itself."""
+    from dataclasses import replace
+
+    import dscompile
+    from dscompile.planner import CheckpointingPlan
+    from dscompile.zoo import build, make_batch
+
+    case = build("gpt", seed=3, seq_len=8, d_model=16, n_heads=2, n_layers=1, vocab_size=40)
+    config = {"optimizer": SGD, "lower": "eager", "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2}}
+    engine, *_ = dscompile.initialize(model=case.model, config=config)
+    schedule = replace(engine.plan.zero_schedule, allgather_bucket_elements=123, reduce_bucket_elements=456)
+    engine.plan = replace(engine.plan, zero_schedule=schedule, checkpointing=CheckpointingPlan(policy="full"))
+    return _pipelines_compiled(engine, make_batch(case, seed=0))
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_compiles_under_the_engines_plan() -> None:
+    from dscompile.testing.distributed import run_distributed_or_fail
+
+    for pipelines in run_distributed_or_fail(replanned_tensor_parallel_rank, 2, timeout=300):
+        assert pipelines, "the split graph was not compiled"
+        for p in pipelines:
+            assert "zero_bucketing(allgather_bucket_size=123,reduce_bucket_size=456)" in p and "checkpoint(policy=full" in p, p
+
+
+def test_pipeline_stages_compile_under_the_engines_plan(caplog) -> None:
+    """The pipeline's stages compile under its plan (a plan swapped in before the first batch reaches them); the plan
+    puts no ZeRO pass in a stage (ZeRO-1 is the pipeline's gradient strategy) and the checkpointing of the stage
+    config (the pipeline's interval is its own recompute, no ``checkpoint`` pass)."""
+    import logging
+    from dataclasses import replace
+
+    import torch
+
+    from dscompile.engines.pipeline_parallel import PipelineEngine
+    from dscompile.pipeline import pipeline_from_config
+    from dscompile.planner import CheckpointingPlan, compiling_under
+
+    config = {"optimizer": SGD, "lower": "eager", "pipeline": {"stages": 1, "activation_checkpoint_interval": 1}, "zero_optimization": {"stage": 1}}
+    pipe = PipelineEngine(_tiny(), config, loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
+    stage_config = pipe._stage_config()
+    specs = [inv.spec() for inv in pipeline_from_config(stage_config)]
+    with compiling_under(pipe.plan):
+        assert [inv.spec() for inv in pipeline_from_config(stage_config)] == specs  # what stages got before the plan reached them
+    assert not any(s.startswith("zero") or s.startswith("checkpoint(") for s in specs), specs
+    pipe.plan = replace(pipe.plan, checkpointing=CheckpointingPlan(policy="full"))
+    with caplog.at_level(logging.INFO, logger="dscompile.frontend"):
+        pipe.train_batch(iter([(torch.randn(4, 8), torch.randn(4, 2))]))
+    pipelines = [r.getMessage() for r in caplog.records if ": pipeline " in r.getMessage()]
+    assert pipelines and all("checkpoint(policy=full" in p for p in pipelines), pipelines
