@@ -47,6 +47,7 @@ from torch import fx, nn
 
 from dscompile.errors import DSCompileConfigError
 from dscompile.passes.tensor_parallel import TensorParallelModule, capture, refuse_layouts_per_head
+from dscompile.planner import PlannedConfig
 from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, build_process_groups
 from dscompile.runtime.sequence_parallel import (
@@ -561,7 +562,7 @@ class SequenceParallelExtension(EngineExtension):
         refuse_layouts_per_head(sections, "sequence parallelism", f"drop {KEY}")
         self.groups: ProcessGroups = build_process_groups(self.sp, current=False)  # its "tp" groups are the sequence groups
         without = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != KEY})
-        options = without if engine.compiles_model else None
+        options = (lambda: PlannedConfig(without, engine.plan)) if engine.compiles_model else None  # the plan as it is at the compile
         engine.compiles_model = False  # the module compiles its rewritten graph itself
         self.engine = engine
         self.module = SequenceParallelModule(engine.module, self.groups, None, options, self._after_split)

@@ -6,7 +6,8 @@ after the wait of an earlier gather: gather ``i`` may start once gather ``j-1`` 
 consumed, for the smallest ``j`` whose window ``j..i`` stays within the prefetch budget and the
 live-parameter limit (both in elements). Waits stay where the values are needed, so the
 communication of the next parameters overlaps the compute of the current ones. The issue order
-of collectives never changes, so every rank still issues them identically.
+of the all-gathers never changes: no gather moves above an earlier one (the first stays where it is,
+so the second issues right after it, not ahead of it), and every rank issues them identically.
 
 With ``offload_param`` each gather's shard is first read from the host or NVMe (``zero_param_load``), and
 this pass moves that read with its gather. Last, it pins every read where the schedule put it
@@ -57,8 +58,6 @@ def _hoist(graph: torch.fx.Graph, starts: list[torch.fx.Node], options: ZeroPref
     limit = min(options.stage3_prefetch_bucket_size, options.stage3_max_live_parameters)
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     window_start, window = 0, 0
-    cursor: torch.fx.Node | None = None
-    cursor_anchor: torch.fx.Node | None = None
     hoisted = 0
     plan = []
     for i, size in enumerate(sizes):
@@ -70,20 +69,16 @@ def _hoist(graph: torch.fx.Graph, starts: list[torch.fx.Node], options: ZeroPref
     for i, start in enumerate(starts):
         j = plan[i]
         if j == i:
-            cursor, cursor_anchor = None, None
             continue  # no room to prefetch: start where it is
         anchor = last_placeholder if j == 0 else waits[j - 1]
         order = positions(graph)
-        if order[anchor] >= order[start]:
+        # the issue order: never above the previous gather's start (which may sit after the window's start)
+        anchor_point = starts[i - 1] if order[starts[i - 1]] > order[anchor] else anchor
+        if order[anchor_point] >= order[start]:
             continue
-        if cursor is not None and cursor_anchor is anchor:
-            anchor_point = cursor  # keep the issue order of gathers sharing an anchor
-        else:
-            anchor_point = anchor
         chain = ancestors_after(start, anchor_point, order) + [start]
-        cursor = move_after(anchor_point, chain)
-        cursor_anchor = anchor
-        ds_meta(start)["zero"]["prefetch_after"] = anchor.name
+        move_after(anchor_point, chain)
+        ds_meta(start)["zero"]["prefetch_after"] = anchor_point.name
         hoisted += 1
     log.debug("%s: %d of %d all-gathers prefetched", ctx.graph_name, hoisted, len(starts))
     ctx.analysis.setdefault("zero_prefetch", {})[ctx.graph_name] = {"gathers": len(starts), "prefetched": hoisted}

@@ -274,14 +274,55 @@ def test_a_changed_schedule_changes_what_the_passes_do() -> None:
     schedule = plan_zero_schedule(load_config({"zero_optimization": ZERO3}))
     at_use = _gather_positions(replace(schedule, prefetch_elements=0))
     ahead = _gather_positions(replace(schedule, prefetch_elements=10**6))
-    # at its use: each gather follows the previous one's add; up front: the four gathers come right after the inputs
+    # at its use: each gather follows the previous one's add; up front: the four gathers come right after the inputs, in order
     assert at_use == [5, 8, 11, 14], at_use
-    assert sorted(ahead) == [5, 6, 7, 8], ahead
+    assert ahead == [5, 6, 7, 8], ahead
+
+
+def _issue_order(gm: Any) -> list[str]:
+    import torch
+
+    return [n.name for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+
+
+@pytest.mark.parametrize("window", [200, 300, 10**6])  # room for 2, 3, all gathers
+@pytest.mark.parametrize("compute_first", [False, True])
+def test_prefetch_keeps_the_issue_order_of_the_gathers(window: int, compute_first: bool) -> None:
+    """``zero_prefetch`` moves all-gathers ahead of their use, never one ahead of another: the first gather (right
+    after the inputs, or after compute that does not need it) is issued first, whatever the window."""
+    import torch
+
+    from dscompile.config import load_config
+    from dscompile.passes.zero_prefetch import ZeroPrefetchOptions, zero_prefetch
+    from dscompile.pipeline import PassContext
+
+    gm = _gather_chain([100, 100, 100, 100, 100])
+    if compute_first:  # the graph computes on x before the first gather's use
+        x = next(iter(gm.graph.nodes))
+        with gm.graph.inserting_after(next(n for n in gm.graph.nodes if n.op != "placeholder").prev):
+            pre = gm.graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+        x.replace_all_uses_with(pre, delete_user_cb=lambda user: user is not pre)
+    before = _issue_order(gm)
+    assert before == [f"gather{i}" for i in range(5)]
+    options = ZeroPrefetchOptions(stage3_prefetch_bucket_size=window, stage3_max_live_parameters=10**9)
+    zero_prefetch(gm, PassContext(load_config({"zero_optimization": ZERO3}), "forward", "g"), options)
+    gm.graph.lint()
+    assert _issue_order(gm) == before
+    order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+    waits = {n.args[0].name: order[n.name] for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default}
+    # and still prefetched: each gather starts before the previous one's wait
+    assert all(order[f"gather{i}"] < waits[f"gather{i - 1}"] for i in range(1, 5)), (order, waits)
 
 
 def _gather_lines(code: str) -> int:
     """The sum of the line numbers where all-gathers start (smaller: issued earlier)."""
     return sum(i for i, line in enumerate(code.splitlines()) if "all_gather_into_tensor" in line)
+
+
+def _gather_names(code: str) -> list[str]:
+    """The all-gathers of a dumped graph's code, in the order they are issued."""
+    calls = [line.split("=", 1) for line in code.splitlines() if "=" in line]
+    return [name.split(":")[0].strip() for name, call in calls if "_c10d_functional.all_gather_into_tensor" in call]
 
 
 def replanned_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
@@ -294,7 +335,7 @@ def replanned_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
 
     import dscompile
 
-    out: dict[str, Any] = {"losses": [], "ahead": [], "moved": []}
+    out: dict[str, Any] = {"losses": [], "ahead": [], "moved": [], "orders": []}
     small = {"reduce_bucket_size": 1500, "allgather_bucket_size": 1500, "stage3_prefetch_bucket_size": 3000, "stage3_max_reuse_distance": 0}
     torch.manual_seed(0)
     case = _case("gpt")
@@ -311,6 +352,10 @@ def replanned_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
         # what zero_prefetch did: how many lines earlier the all-gathers start than where bucketing left them
         out["ahead"].append(_gather_lines(code["zero_bucketing"]) - _gather_lines(code["zero_prefetch"]))
         out["moved"].append(code["zero_prefetch"] != code["zero_bucketing"])
+        for kind in ("forward", "backward"):  # the all-gathers issue in the order bucketing left them
+            graph = sorted(Path(f"{dump_root}/rank{rank}").glob(f"*.{kind}"))[-1]
+            code = {p.name.split("_", 1)[1]: (p / "code.py").read_text() for p in graph.iterdir() if p.is_dir()}
+            out["orders"].append((_gather_names(code["zero_bucketing"]), _gather_names(code["zero_prefetch"])))
     return out
 
 
@@ -322,6 +367,8 @@ def test_a_replanned_engine_compiles_to_its_new_schedule(tmp_path) -> None:
     for r in run_distributed_or_fail(replanned_rank, 2, str(tmp_path), timeout=300):
         assert r["moved"] == [False, True] and r["ahead"][0] == 0 and r["ahead"][1] > 0, r  # window 0: no gather moved ahead
         assert r["losses"][0] == r["losses"][1]  # scheduling moves collectives, never the numbers
+        for before, after in r["orders"]:
+            assert len(before) > 2 and after == before, (before, after)
 
 
 def test_the_checkpoint_pass_reads_the_plan() -> None:
@@ -339,3 +386,80 @@ def test_the_checkpoint_pass_reads_the_plan() -> None:
     assert (options.policy, options.budget, options.number_checkpoints) == ("full", None, 2)
     with compiling_under(replace(plan_parallel(config, 1), checkpointing=CheckpointingPlan())):
         assert "checkpoint" not in _options(pipeline_from_config(config))
+
+
+def _pipelines_compiled(engine: Any, batch: tuple[Any, ...]) -> list[str]:
+    """The pass pipelines the backend logs while ``engine`` runs one training step on ``batch``."""
+    import logging
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if ": pipeline " in record.getMessage():
+                messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("dscompile.frontend"), Keep()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        engine.backward(engine(*batch))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return messages
+
+
+def replanned_tensor_parallel_rank(rank: int, world: int) -> list[str]:
+    """TP=2 with ZeRO-2: a schedule and a checkpointing plan swapped into ``engine.plan`` before the first batch reach
+    the split graph, which the TP module compiles itself."""
+    from dataclasses import replace
+
+    import dscompile
+    from dscompile.planner import CheckpointingPlan
+    from dscompile.zoo import build, make_batch
+
+    case = build("gpt", seed=3, seq_len=8, d_model=16, n_heads=2, n_layers=1, vocab_size=40)
+    config = {"optimizer": SGD, "lower": "eager", "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2}}
+    engine, *_ = dscompile.initialize(model=case.model, config=config)
+    schedule = replace(engine.plan.zero_schedule, allgather_bucket_elements=123, reduce_bucket_elements=456)
+    engine.plan = replace(engine.plan, zero_schedule=schedule, checkpointing=CheckpointingPlan(policy="full"))
+    return _pipelines_compiled(engine, make_batch(case, seed=0))
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_compiles_under_the_engines_plan() -> None:
+    from dscompile.testing.distributed import run_distributed_or_fail
+
+    for pipelines in run_distributed_or_fail(replanned_tensor_parallel_rank, 2, timeout=300):
+        assert pipelines, "the split graph was not compiled"
+        for p in pipelines:
+            assert "zero_bucketing(allgather_bucket_size=123,reduce_bucket_size=456)" in p and "checkpoint(policy=full" in p, p
+
+
+def test_pipeline_stages_compile_under_the_engines_plan(caplog) -> None:
+    """The pipeline's stages compile under its plan (a plan swapped in before the first batch reaches them); the plan
+    puts no ZeRO pass in a stage (ZeRO-1 is the pipeline's gradient strategy) and the checkpointing of the stage
+    config (the pipeline's interval is its own recompute, no ``checkpoint`` pass)."""
+    import logging
+    from dataclasses import replace
+
+    import torch
+
+    from dscompile.engines.pipeline_parallel import PipelineEngine
+    from dscompile.pipeline import pipeline_from_config
+    from dscompile.planner import CheckpointingPlan, compiling_under
+
+    config = {"optimizer": SGD, "lower": "eager", "pipeline": {"stages": 1, "activation_checkpoint_interval": 1}, "zero_optimization": {"stage": 1}}
+    pipe = PipelineEngine(_tiny(), config, loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
+    stage_config = pipe._stage_config()
+    specs = [inv.spec() for inv in pipeline_from_config(stage_config)]
+    with compiling_under(pipe.plan):
+        assert [inv.spec() for inv in pipeline_from_config(stage_config)] == specs  # what stages got before the plan reached them
+    assert not any(s.startswith("zero") or s.startswith("checkpoint(") for s in specs), specs
+    pipe.plan = replace(pipe.plan, checkpointing=CheckpointingPlan(policy="full"))
+    with caplog.at_level(logging.INFO, logger="dscompile.frontend"):
+        pipe.train_batch(iter([(torch.randn(4, 8), torch.randn(4, 2))]))
+    pipelines = [r.getMessage() for r in caplog.records if ": pipeline " in r.getMessage()]
+    assert pipelines and all("checkpoint(policy=full" in p for p in pipelines), pipelines

@@ -52,7 +52,7 @@ from dscompile.errors import DSCompileConfigError
 from dscompile.frontend import capture
 from dscompile.graph import fill_capture_values
 from dscompile.pipeline import PassContext, PassInvocation, PassManager, invocation
-from dscompile.planner import plan_parallel
+from dscompile.planner import PlannedConfig, plan_parallel
 from dscompile.runtime.checkpoint_io import CheckpointError, CheckpointReader, CheckpointWriter, read_latest, resolve_checkpoint_dir
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.devices import accelerator_devices, capture_rng, collective_device, forked_rng, restore_rng
@@ -338,9 +338,10 @@ class PipelineEngine(TrainingCore):
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # another rank's stage
         checkpoint = self.pcfg.activation_checkpoint_interval > 0
         self.runners = {}
+        options = PlannedConfig(self._stage_config(), self.plan)  # the stages compile under the engine's plan as it is now
         for s in self.local_stages:
             module = self.program.stages[s].module
-            fn = torch.compile(module, backend="dscompile", options=self._stage_config(), dynamic=False) if self.pcfg.compile else module
+            fn = torch.compile(module, backend="dscompile", options=options, dynamic=False) if self.pcfg.compile else module
             self.runners[s] = GraphStageRunner(fn, checkpoint)
         self._filter_optimizer()
         log.info("rank %d: stages %s, %d parameters", self.global_rank, self.local_stages, sum(p.numel() for p in self._params))
@@ -380,8 +381,9 @@ class PipelineEngine(TrainingCore):
         return ctx.analysis
 
     def _stage_config(self) -> DSConfig:
-        """The config the stage graphs compile with: ZeRO-1 is the engine's job here, not a graph pass, and
-        tensor parallelism has already split the graph the stages are cut from."""
+        """The config the stage graphs compile with (under the engine's plan): ZeRO-1 is the engine's job here, not a
+        graph pass (the plan's schedule is stage 1 or 0: no ZeRO pass either), and tensor parallelism has already split
+        the graph the stages are cut from."""
         from dscompile.passes.tensor_parallel import split_graph_sections
 
         sections = split_graph_sections({k: v for k, v in self.config.sections.items() if k != "zero_optimization"})

@@ -20,6 +20,7 @@ from dscompile.passes.tensor_parallel.config import TensorParallelConfig, split_
 from dscompile.passes.tensor_parallel.graph_facts import SECTION
 from dscompile.passes.tensor_parallel.module import TensorParallelModule
 from dscompile.passes.tensor_parallel.split import TensorParallelPlan
+from dscompile.planner import PlannedConfig
 from dscompile.runtime.engine_core import EngineExtension, register_engine_extension
 from dscompile.runtime.process_groups import ProcessGroups, process_groups_for
 from dscompile.runtime.tensor_parallel import SliceSpec, gather_slices
@@ -72,9 +73,10 @@ class TensorParallelExtension(EngineExtension):
             with torch.no_grad():  # every rank slices the same full weights
                 for tensor in list(engine.module.parameters()) + list(engine.module.buffers()):
                     dist.broadcast(tensor, src=0)
-        # the split graph compiles under the engine's config, less this section (the frontend refuses it on its own)
-        options = dataclasses.replace(engine.config, sections=split_graph_sections(engine.config.sections))
-        options = options if engine.compiles_model else None
+        # the split graph compiles under the engine's config, less this section (the frontend refuses it on its own),
+        # and under the engine's plan as it is when the graph compiles (at the first batch: a plan swapped in before counts)
+        split_config = dataclasses.replace(engine.config, sections=split_graph_sections(engine.config.sections))
+        options = (lambda: PlannedConfig(split_config, engine.plan)) if engine.compiles_model else None
         engine.compiles_model = False  # the module compiles its split graph itself
         self.module = TensorParallelModule(engine.module, groups, self.tc, options, self._after_split)
         engine.compile_target = self.module

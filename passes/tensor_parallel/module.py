@@ -8,6 +8,7 @@ broadcast within its TP group first.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,11 @@ class TensorParallelModule(nn.Module):
     group's first rank (DeepSpeed leaves this to the data loader, and gets it wrong silently when it is).
     """
 
-    def __init__(self, model: nn.Module, groups: ProcessGroups, tc: TensorParallelConfig, compile_options: Any, after_split: Any = None) -> None:
+    def __init__(
+        self, model: nn.Module, groups: ProcessGroups, tc: TensorParallelConfig, compile_options: Callable[[], Any] | None, after_split: Any = None
+    ) -> None:
+        """``compile_options``: asked for the backend's options at each compile (the engine's config under its plan as
+        it is then, a re-plan included); None: the split graph runs uncompiled."""
         super().__init__()
         self.after_split = after_split
         self.model = model
@@ -120,7 +125,7 @@ class TensorParallelModule(nn.Module):
                 self.__dict__["_first_run"] = run
             elif self._first_wrapped:  # the same ZeRO-2/3 ops, over the same shards, around the new graph
                 run = self._first_run.wrapping(gm)  # type: ignore[union-attr, operator]
-            graph = torch.compile(run, backend="dscompile", options=self.compile_options) if self.compile_options is not None else run
+            graph = torch.compile(run, backend="dscompile", options=self.compile_options()) if self.compile_options is not None else run
             self._graphs[key] = graph
         return graph(*args, **kwargs)
 
