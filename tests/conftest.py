@@ -82,58 +82,52 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# The files that take longest (their tests' summed --durations on 2 cores, a full run on 2026-12-06), longest first.
+# The files that take longest (their tests' summed --durations, a full run on 2 cores, 2026-12-06 night), longest first.
 # ``pytest -n auto --dist loadfile`` hands files to workers in collection order (with xdist's reordering by test
 # count turned off in pytest_configure), so starting these first
 # keeps one worker from finishing a long file alone at the end while the others idle.
 LONGEST_FILES = (
-    "test_hf_trainer.py",  # 470 s
-    "test_compression_examples.py",  # 337 s
-    "test_deepspeed_scripts_lm.py",  # 306 s
-    "test_hf_training_idioms.py",  # 289 s
-    "test_sequence_parallel.py",  # 270 s
-    "test_checkpointing_hf.py",  # 253 s
-    "test_deepspeed_scripts.py",  # 240 s
-    "test_zero_offload.py",  # 206 s
-    "test_onebit_engine.py",  # 159 s
-    "test_tensor_parallel_sequence.py",  # 141 s
-    "test_tensor_parallel.py",  # 140 s
-    "test_capabilities_lowered.py",  # 139 s
-    "test_zero.py",  # 135 s
-    "test_compression_deepspeed.py",  # 127 s
-    "test_inference_tensor_parallel.py",  # 122 s
-    "test_zero_offload_param.py",  # 116 s
-    "test_zero3_param_attributes.py",  # 116 s
-    "test_zero_offload_overlap.py",  # 114 s
-    "test_deepspeed_scripts_generation.py",  # 110 s
-    "test_onebit_optimizers.py",  # 107 s
-    "test_mixed_precision_zero.py",  # 106 s
-    "test_fault_matrix.py",  # 102 s
-    "test_pipeline_mixed_precision.py",  # 94 s
-    "test_pipeline_parallel_distributed.py",  # 90 s
-    "test_checkpointing_budget.py",  # 89 s
-    "test_tensor_parallel_pipeline.py",  # 85 s
-    "test_tensor_parallel_kv_replication.py",  # 83 s
-    "test_tensor_parallel_pipeline_layouts.py",  # 79 s
-    "test_notebooks.py",  # 76 s
-    "test_zero_features.py",  # 66 s
-    "test_model_parallel_hf_calls.py",  # 62 s
-    "test_deepspeed_compat_distributed.py",  # 59 s
-    "test_distributed_attention.py",  # 58 s
-    "test_distributed_harness.py",  # 56 s
-    "test_engine_api.py",  # 55 s
-    "test_lowering_regressions.py",  # 50 s
-    "test_inference_decode_paths.py",  # 50 s
-    "test_onebit_lamb_zero.py",  # 49 s
-    "test_inference.py",  # 49 s
-    "test_zero_checkpoint.py",  # 46 s
-    "test_checkpointing_distributed.py",  # 45 s
-    "test_deepspeed_checkpoint.py",  # 44 s
-    "test_checkpointing.py",  # 44 s
-    "test_dropout_training.py",  # 43 s
-    "test_gpu_check.py",  # 42 s
-    "test_zero_perf.py",  # 41 s
-    "test_model_parallel_unit.py",  # 40 s
+    "test_hf_trainer.py",  # 341 s
+    "test_compression_examples.py",  # 269 s
+    "test_deepspeed_scripts.py",  # 226 s
+    "test_deepspeed_scripts_lm.py",  # 155 s
+    "test_zero_offload_param.py",  # 112 s
+    "test_sequence_parallel.py",  # 111 s
+    "test_zero_offload.py",  # 106 s
+    "test_deepspeed_scripts_generation.py",  # 100 s
+    "test_tensor_parallel.py",  # 94 s
+    "test_pipeline_parallel_distributed.py",  # 91 s
+    "test_inference_tensor_parallel.py",  # 90 s
+    "test_onebit_engine.py",  # 85 s
+    "test_zero_offload_overlap.py",  # 80 s
+    "test_checkpointing_hf.py",  # 78 s
+    "test_notebooks.py",  # 68 s
+    "test_tensor_parallel_sequence.py",  # 67 s
+    "test_hf_training_idioms.py",  # 62 s
+    "test_capabilities_lowered.py",  # 59 s
+    "test_checkpointing_budget.py",  # 58 s
+    "test_zero.py",  # 55 s
+    "test_model_parallel_hf_calls.py",  # 51 s
+    "test_distributed_harness.py",  # 45 s
+    "test_gpu_check.py",  # 44 s
+    "test_zero3_param_attributes.py",  # 43 s
+    "test_onebit_optimizers.py",  # 43 s
+    "test_tensor_parallel_pipeline.py",  # 42 s
+    "test_tensor_parallel_checkpoint.py",  # 42 s
+    "test_cli.py",  # 42 s
+    "test_tensor_parallel_kv_replication.py",  # 41 s
+    "test_dropout_training.py",  # 41 s
+    "test_checkpointing.py",  # 40 s
+    "test_tensor_parallel_pipeline_layouts.py",  # 39 s
+    "test_mixed_precision_zero.py",  # 39 s
+    "test_zero_features.py",  # 38 s
+    "test_pipeline_mixed_precision.py",  # 33 s
+    "test_inference_kernels.py",  # 32 s
+    "test_compression_deepspeed.py",  # 32 s
+    "test_frontend.py",  # 31 s
+    "test_compression_engine.py",  # 31 s
+    "test_checkpointing_memory.py",  # 28 s
+    "test_tensor_parallel_compose.py",  # 27 s
 )
 
 
