@@ -13,6 +13,12 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
+# One C++ compile at a time per process. Inductor's default starts a pool of compile workers in every process that
+# compiles (each worker imports torch); here each xdist worker and each rank of a distributed test compiles, on two
+# cores, so the pool only adds start-up and contention: without it a DeepSpeed-script file took 31% less CPU with
+# warm caches and 20% less with cold ones. The generated code is the same. Rank subprocesses inherit the setting.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 
