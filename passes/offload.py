@@ -50,7 +50,7 @@ How each key is used:
   buffers, between 2^20 and 2^24 elements), where DeepSpeed's default (1e9) would make one tile of any model
   under a billion parameters: all states in memory at the step and no read/step overlap.
 - ``zero_optimization.offload_memory_limit`` (dscompile's own; bytes of model states per rank, 0 = no
-  limit): the planner (``dscompile/planner.py``) offloads only the optimizer states that do not fit
+  limit): the planner (``dscompile/planner/offload.py``) offloads only the optimizer states that do not fit
   under it (none when everything fits), never more than ``ratio``, and then, with ``offload_param``,
   only the ZeRO-3 parameter shards that still do not fit; its plan tables are logged at start,
   written to ``DUMP/offload_plan.txt`` / ``DUMP/param_offload_plan.txt`` when a dump directory is set,

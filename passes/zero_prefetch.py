@@ -26,7 +26,7 @@ import torch.fx
 
 from dscompile.graph import ds_meta
 from dscompile.passes.zero import is_zero_start, pin_param_loads
-from dscompile.passes.zero_schedule import ancestors_after, move_after, positions, sole_user
+from dscompile.passes.zero_schedule import GraphOrder, ancestors_after, sole_user
 from dscompile.pipeline import PassContext, register_pass
 
 log = logging.getLogger("dscompile.passes.zero_prefetch")
@@ -66,18 +66,18 @@ def _hoist(graph: torch.fx.Graph, starts: list[torch.fx.Node], options: ZeroPref
             window -= sizes[window_start]
             window_start += 1
         plan.append(window_start)
+    order = GraphOrder(graph)  # positions computed once, kept correct by each move (not recomputed per gather)
     for i, start in enumerate(starts):
         j = plan[i]
         if j == i:
             continue  # no room to prefetch: start where it is
         anchor = last_placeholder if j == 0 else waits[j - 1]
-        order = positions(graph)
         # the issue order: never above the previous gather's start (which may sit after the window's start)
         anchor_point = starts[i - 1] if order[starts[i - 1]] > order[anchor] else anchor
         if order[anchor_point] >= order[start]:
             continue
-        chain = ancestors_after(start, anchor_point, order) + [start]
-        move_after(anchor_point, chain)
+        chain = ancestors_after(start, anchor_point, order.key) + [start]
+        order.move_after(anchor_point, chain)
         ds_meta(start)["zero"]["prefetch_after"] = anchor_point.name
         hoisted += 1
     log.debug("%s: %d of %d all-gathers prefetched", ctx.graph_name, hoisted, len(starts))

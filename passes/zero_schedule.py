@@ -54,6 +54,47 @@ def move_after(anchor: torch.fx.Node, nodes: Iterable[torch.fx.Node]) -> torch.f
     return cursor
 
 
+class GraphOrder:
+    """Node positions kept correct while nodes move up to right after another one (``move_after``), without
+    renumbering the whole graph after every move (which made a pass that moves every gather quadratic in the graph).
+
+    Keys are sparse integers, ``SPACING`` apart at first. A move gives the moved nodes keys between the anchor's and
+    that of the node now after them, packed near the anchor (steps of at most ``STEP``) so that the room after them
+    is left for the next move, which the prefetch schedule places right after the last node moved. Only when a gap
+    is too small does it renumber the whole graph (``positions``). Keys compare like positions; they are not indices.
+    """
+
+    SPACING = 1 << 48
+    STEP = 1 << 16
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.renumbered = 0
+        self._renumber()
+
+    def _renumber(self) -> None:
+        self.key: dict[torch.fx.Node, int] = {n: i * self.SPACING for n, i in positions(self.graph).items()}
+        self.renumbered += 1
+
+    def __getitem__(self, node: torch.fx.Node) -> int:
+        return self.key[node]
+
+    def move_after(self, anchor: torch.fx.Node, nodes: list[torch.fx.Node]) -> None:
+        """``move_after(anchor, nodes)``, then keys for the moved nodes between ``anchor`` and the node after them."""
+        if not nodes:
+            return
+        move_after(anchor, nodes)
+        low = self.key[anchor]
+        after = nodes[-1].next  # the first node that followed ``anchor`` and did not move (or the graph's end)
+        high = self.key[after] if after in self.key else low + (len(nodes) + 1) * self.SPACING
+        step = min(self.STEP, (high - low) // (len(nodes) + 1))
+        if step < 1:
+            self._renumber()
+            return
+        for k, node in enumerate(nodes, 1):
+            self.key[node] = low + k * step
+
+
 def ancestors_after(node: torch.fx.Node, anchor: torch.fx.Node, order: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
     """Non-placeholder inputs (transitively) of ``node`` that sit after ``anchor``, in graph order."""
     found: set[torch.fx.Node] = set()

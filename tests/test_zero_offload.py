@@ -544,17 +544,17 @@ def test_planner_sizes_nvme_tiles_where_sub_group_size_is_not_given(tmp_path: Pa
     assert nvme_tile_elements(10**11, 4, None) == TILE_MAX_ELEMENTS
     assert load_config({"zero_optimization": {"stage": 2}}).sections["zero_optimization"].sub_group_size is None
     # The engine steps the planner's tiles: a tiny planned tile through a monkeypatched floor gives many tiles.
-    import dscompile.planner as planner
+    import dscompile.planner.offload as planner_offload
 
-    floor = planner.TILE_MIN_ELEMENTS
-    planner.TILE_MIN_ELEMENTS = 64
+    floor = planner_offload.TILE_MIN_ELEMENTS
+    planner_offload.TILE_MIN_ELEMENTS = 64
     try:
         torch.manual_seed(0)
         case = _case("gpt")
         config = _config(2, 1, 0.0, {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}})
         engine, _, _, _ = dscompile.initialize(model=case.model, config=config)
     finally:
-        planner.TILE_MIN_ELEMENTS = floor
+        planner_offload.TILE_MIN_ELEMENTS = floor
     plan = engine.extension("zero_offload").plan
     elements = sum(s.numel() for s in engine.zero.shards)
     assert plan.tile_planned and plan.tile_elements == max(64, -(-elements // 32))

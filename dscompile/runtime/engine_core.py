@@ -1,7 +1,7 @@
 """The engine core: what every dscompile engine shares, training or inference.
 
 ``EngineCore`` holds the engine's parsed config (``_config``), its place in the world (``world_size``,
-``global_rank``, ``local_rank``), the one parallel plan (``plan``, from ``dscompile/planner.py``), the extensions
+``global_rank``, ``local_rank``), the one parallel plan (``plan``, from ``dscompile/planner/``), the extensions
 (``runtime/engine_extension.py``) with their ``configure`` / ``counters`` / ``destroy`` hooks, the communication
 counters (``comm_stats``, ``communication_stats()``), ``destroy()`` and the plan's dump. ``TrainingCore``
 (``runtime/training_core.py``) adds the optimizer step for ``DSCompileEngine`` and ``PipelineEngine``;

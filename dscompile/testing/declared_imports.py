@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 PACKAGES = (
     "dscompile",
     "dscompile.engines",
+    "dscompile.planner",
     "dscompile.runtime",
     "dscompile.runtime.onebit",
     "dscompile.runtime.compression",
