@@ -26,7 +26,7 @@ import torch.fx
 
 from dscompile.graph import ds_meta
 from dscompile.passes.zero import is_zero_start
-from dscompile.passes.zero_schedule import move_after, positions, sink_to_first_use, sole_user
+from dscompile.passes.zero_schedule import GraphOrder, positions, sink_to_first_use, sole_user
 from dscompile.pipeline import PassContext, register_pass
 
 log = logging.getLogger("dscompile.passes.zero_overlap")
@@ -56,10 +56,10 @@ def zero_overlap(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroOverla
         raise ValueError(f"zero_overlap: reduce_bucket_size must be positive, got {options.reduce_bucket_size}")
     graph = gm.graph
     starts = [n for n in graph.nodes if is_zero_start(n, "reduce_scatter")]
-    hoisted = sum(_issue_early(start) for start in starts)
-    order = positions(graph)
-    starts.sort(key=order.__getitem__)  # the schedule order after hoisting
-    moved = sum(sink_to_first_use(sole_user(start), _CHEAP) for start in starts)
+    graph_order = GraphOrder(graph)  # kept correct by every move below (positions per move were quadratic)
+    hoisted = sum(_issue_early(start, graph_order) for start in starts)
+    starts.sort(key=graph_order.__getitem__)  # the schedule order after hoisting
+    moved = sum(sink_to_first_use(sole_user(start), _CHEAP, graph_order) for start in starts)
     deadlines = wait_deadlines(starts, options.reduce_bucket_size)
     order = positions(graph)
     held_back = 0
@@ -95,7 +95,7 @@ def wait_deadlines(starts: list[torch.fx.Node], limit: int) -> dict[torch.fx.Nod
     return deadlines
 
 
-def _issue_early(start: torch.fx.Node) -> bool:
+def _issue_early(start: torch.fx.Node, order: GraphOrder) -> bool:
     """Move a reduce-scatter, with the nodes that only prepare its input (flattening, padding, the
     bucket's concatenation, a cast to the communication dtype), to right after the last value it
     needs: as soon as its gradients exist, not where tracing happened to put it (often the end of
@@ -110,14 +110,23 @@ def _issue_early(start: torch.fx.Node) -> bool:
             continue
         chain.add(node)
         stack.extend(node.all_input_nodes)
-    order = positions(start.graph)
     needed = {arg for node in (*chain, start) for arg in node.all_input_nodes if arg not in chain}
     if not needed:
         return False
     anchor = max(needed, key=order.__getitem__)
     prepared = sorted(chain, key=order.__getitem__)
-    if order[anchor] + len(prepared) + 1 >= order[start]:
+    if _within(anchor, start, len(prepared) + 1):
         return False  # already there
-    move_after(anchor, [*prepared, start])
+    order.move_after(anchor, [*prepared, start])
     return True
+
+
+def _within(anchor: torch.fx.Node, node: torch.fx.Node, steps: int) -> bool:
+    """Whether ``node`` is one of the ``steps`` nodes right after ``anchor``."""
+    cursor = anchor
+    for _ in range(steps):
+        cursor = cursor.next
+        if cursor is node:
+            return True
+    return False
 

@@ -115,11 +115,11 @@ def sole_user(node: torch.fx.Node) -> torch.fx.Node:
     return users[0]
 
 
-def sink_to_first_use(wait: torch.fx.Node, cheap: Collection[Any]) -> int:
+def sink_to_first_use(wait: torch.fx.Node, cheap: Collection[Any], order: GraphOrder | None = None) -> int:
     """Move a collective's ``wait`` and the ``cheap`` ops that only reshape its result (views, a division by
     the world size, bucket slices: ops whose target is in ``cheap``) down to right before their first real
     consumer, so whatever the graph computes in between runs while the collective is in flight. Returns how
-    many nodes moved."""
+    many nodes moved. ``order``: the caller's ``GraphOrder`` of the graph, kept correct (one per pass, not per wait)."""
     chain = [wait]
     stack = list(wait.users)
     while stack:
@@ -128,12 +128,11 @@ def sink_to_first_use(wait: torch.fx.Node, cheap: Collection[Any]) -> int:
             continue
         chain.append(node)
         stack.extend(node.users)
+    order = order if order is not None else GraphOrder(wait.graph)
     moved = 0
-    order = positions(wait.graph)
     for node in sorted(chain, key=order.__getitem__, reverse=True):  # the last first: each then sinks to its own first user
-        order = positions(wait.graph)
         first = min(node.users, key=order.__getitem__, default=None)
-        if first is not None and order[first] > order[node] + 1:
-            first.prepend(node)
+        if first is not None and first is not node.next:  # a user is always after its input: something lies between
+            order.move_after(first.prev, [node])  # right before ``first``
             moved += 1
     return moved

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from dscompile.passes.zero_schedule import move_after, sink_to_first_use, sole_user
+from dscompile.passes.zero_schedule import GraphOrder, move_after, sink_to_first_use, sole_user
 from dscompile.pipeline import PassContext, invocation, register_config_rule, register_pass
 
 log = logging.getLogger("dscompile.passes.tp_overlap")
@@ -137,7 +137,8 @@ def tp_overlap(gm: torch.fx.GraphModule, ctx: PassContext, options: TensorParall
         moved = issue_early(start, floor)
         hoisted += len(moved)
         floor = moved[-1] if moved else start
-    sunk = sum(sink_to_first_use(sole_user(start), _CHEAP) for start in starts)
+    order = GraphOrder(gm.graph)  # one for all the sinks: kept correct by each move
+    sunk = sum(sink_to_first_use(sole_user(start), _CHEAP, order) for start in starts)
     gm.graph.lint()
     if starts:  # Inductor's reordering for peak memory would move the independent nodes back before the all-reduce
         ctx.analysis.setdefault("inductor_config", {}).setdefault(ctx.graph_kind, {}).update(KEEP_ORDER)
