@@ -26,6 +26,9 @@ def test_plan_inference_lays_out_tensor_then_data_parallelism() -> None:
     assert plan.layout == ParallelLayout(4, 2, 1) and plan.layout.dp_size == 2
     assert plan.layout.tp_groups() == [[0, 1], [2, 3]] and plan.layout.dp_groups() == [[0, 2], [1, 3]]
     assert plan.zero_stage == 0 and plan.offload_optimizer == plan.offload_param == "none"
+    text = plan.text()  # says what an inference plan is, not a training plan's ZeRO and offload lines
+    assert text.startswith("inference plan: world 4 = data 2 (independent model copies) × tensor 2")
+    assert "tensor groups: [[0, 1], [2, 3]]" in text and "ZeRO stage" not in text and "offload:" not in text
     for world, tp in ((3, 2), (1, 2), (4, 0)):
         with pytest.raises(DSCompileConfigError, match=rf"tensor_parallel\.tp_size.*{tp} ranks per model do not divide the world of {world}"):
             plan_inference(world, tp)
@@ -73,7 +76,7 @@ def test_one_process_engine_has_the_core(probe_registered: Any, tmp_path: Path) 
     assert engine.plan.layout == ParallelLayout(1, 1, 1)
     assert (engine.world_size, engine.global_rank, engine.rank, engine.local_rank) == (1, 0, 0, 0)
     assert engine.config is model.config and engine._config.max_out_tokens == 32  # DeepSpeed's two names
-    assert "world 1 = pipeline 1 × data 1 × tensor 1" in (tmp_path / "plan.txt").read_text()
+    assert "inference plan: world 1 = data 1 (independent model copies) × tensor 1" in (tmp_path / "plan.txt").read_text()
     probe = engine.extension("probe")
     assert isinstance(probe, _Probe) and probe.calls == ["configure"] and probe.config is engine._config
     with torch.no_grad():

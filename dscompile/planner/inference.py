@@ -20,4 +20,4 @@ def plan_inference(world_size: int, tp_size: int) -> ParallelPlan:
             f"{tp_size} ranks per model do not divide the world of {world_size} process(es)",
             f"launch with torchrun --nproc-per-node {tp_size} (or a multiple), or lower tp_size",
         )
-    return ParallelPlan(layout=ParallelLayout(world_size, tp_size))
+    return ParallelPlan(layout=ParallelLayout(world_size, tp_size), inference=True)

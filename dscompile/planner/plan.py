@@ -45,6 +45,7 @@ class ParallelPlan:
     checkpointing: CheckpointingPlan = CheckpointingPlan()  # what the checkpoint pass is given, or the pipeline's interval
     optimizer_offload: OffloadPlan | None = None
     param_offload: ParamPlan | None = None
+    inference: bool = False  # an inference engine's plan (``plan_inference``): only the layout applies
 
     @property
     def data_parallel_size(self) -> int:
@@ -67,6 +68,15 @@ class ParallelPlan:
             ZERO_BY_PIPELINE: "the pipeline's gradient strategy (optimizer states sharded across each stage's replicas)",
             ZERO_OFF: "nobody",
         }[self.zero_by]
+        if self.inference:
+            lines = [
+                f"inference plan: world {lay.world_size} = data {lay.dp_size} (independent model copies) × tensor {lay.tp_size}",
+                "rank order: rank = replica * tensor + tensor_rank (each copy on consecutive ranks)",
+                "no ZeRO, offload or activation checkpointing (inference keeps whole weights, or its tensor-parallel slice)",
+            ]
+            if lay.world_size > 1:
+                lines += [f"{kind} groups: {ranks}" for kind, ranks in (("tensor", lay.tp_groups()), ("data", lay.dp_groups())) if len(ranks[0]) > 1]
+            return "\n".join(lines)
         lines = [
             f"parallel plan: world {lay.world_size} = pipeline {lay.pp_size} × data {lay.dp_size} × tensor {lay.tp_size}"
             + (f" (sequence parallel {self.sequence_parallel_size} inside the data axis: {self.data_parallel_size} batch replicas)"
