@@ -191,7 +191,7 @@ class OptimizerOffloadExtension(EngineExtension):
         from dscompile.runtime.offload import OffloadSettings, build_offloaded_optimizer
         from dscompile.runtime.offload.host import host_threads_from_fraction, state_bytes_per_element
 
-        if engine.zero is None:
+        if engine.context.zero is None:
             raise DSCompileConfigError("zero_optimization.offload_optimizer", "needs ZeRO (stage 1, 2 or 3) to partition the optimizer first")
         if engine.optimizer is None:
             log.warning("zero_optimization.offload_optimizer: no optimizer, so there are no optimizer states to offload")
@@ -205,7 +205,7 @@ class OptimizerOffloadExtension(EngineExtension):
                 "drop offload_optimizer, or use Adam/AdamW with offload",
             )
         oc = self.zc.offload_optimizer
-        zero = engine.zero
+        zero = engine.context.zero
         shards = dict(zip((layout.name for layout in zero.layouts), zero.shards, strict=True))
         self.plan = plan_optimizer_offload(
             [PlannedParameter(layout.name, layout.numel, layout.shard_numel, layout.persistent) for layout in zero.layouts],
@@ -219,7 +219,7 @@ class OptimizerOffloadExtension(EngineExtension):
             sub_group_size=self.zc.sub_group_size,
             buffer_count=oc.buffer_count,
         )
-        engine.plan = engine.plan.with_placements(optimizer=self.plan)  # the one plan references it
+        engine.replan(engine.plan.with_placements(optimizer=self.plan))  # the one plan references it
         if zero.rank == 0:
             log.info("%s", self.plan.table())
             if engine.config.dump:  # beside the graphs: DUMP/offload_plan.txt
@@ -252,15 +252,15 @@ class OptimizerOffloadExtension(EngineExtension):
         self.optimizer.copy_gradients_during_backward(engine.is_gradient_accumulation_boundary)
         # the host step of each shard may start from the backward graph (``offload_gradients`` pass) when nothing global decides it
         self.optimizer.early_gate = lambda: self.early_step_allowed(engine)
-        engine.optimizer = self.optimizer
+        engine.replace_optimizer(self.optimizer)  # the scheduler follows
 
     def early_step_allowed(self, engine: TrainingCore) -> bool:
         """Whether the backward running now may start host steps: it is the engine's backward of the one forward since
         the last step or backward, it ends an accumulation batch, and nothing between backward and ``optimizer.step()``
         reads all gradients or changes them (no ``gradient_clipping``, no fp16 loss scaling or other overflow check,
         no extension acting on ready gradients, ZeRO-2/3 whose gradients the graphs reduce, unused parameters not checked)."""
-        zero = engine.zero
-        if not getattr(engine, "in_engine_backward", False) or self._forwards != 1 or engine.optimizer is not self.optimizer:
+        zero = engine.context.zero
+        if not engine.in_engine_backward or self._forwards != 1 or engine.optimizer is not self.optimizer:
             return False
         if zero is None or zero.stage < 2 or not self.zc.ignore_unused_parameters or not engine.is_gradient_accumulation_boundary():
             return False
@@ -411,8 +411,8 @@ class ParamOffloadExtension(EngineExtension):
         from dscompile.runtime.offload.params import ParamOffloadSettings, ParamStore
         from dscompile.runtime.zero_shard import ZeroModule
 
-        zero = engine.zero
-        target = engine.compile_target
+        zero = engine.context.zero
+        target = engine.context.compile_target
         if zero is None or zero.stage != 3 or not isinstance(target, ZeroModule):
             raise DSCompileConfigError("zero_optimization.offload_param", "needs ZeRO stage 3 (partitioned parameters)", "set zero_optimization.stage to 3")
         op = self.zc.offload_param
@@ -429,7 +429,7 @@ class ParamOffloadExtension(EngineExtension):
             other_device_bytes=self._other_device_bytes(engine, planned, zero.shards[0].element_size()),
             host_is_device=all(s.device.type == "cpu" for s in zero.shards),
         )
-        engine.plan = engine.plan.with_placements(param=self.plan)  # the one plan references it
+        engine.replan(engine.plan.with_placements(param=self.plan))  # the one plan references it
         if zero.rank == 0:
             log.info("%s", self.plan.table())
             if engine.config.dump:

@@ -550,28 +550,28 @@ class SequenceParallelExtension(EngineExtension):
         self.module: SequenceParallelModule | None = None
 
     def configure(self, engine: TrainingCore) -> None:
-        refuse_distributed_attention(getattr(engine, "module", None))
+        refuse_distributed_attention(engine.module)
         sections = engine.config.sections
         for key, clash in (
             ("tensor_parallel", sections.get("tensor_parallel") is not None and sections["tensor_parallel"].enabled),
             ("pipeline", sections.get("pipeline_parallel") is not None or engine.runs_pipeline),
-            ("mpu", engine.process_groups is not None),
+            ("mpu", engine.context.process_groups is not None),
         ):
             if clash:
                 raise DSCompileConfigError(KEY, f"sequence parallelism together with {key} is not built yet", f"remove {key} or {KEY}")
         refuse_layouts_per_head(sections, "sequence parallelism", f"drop {KEY}")
         self.groups: ProcessGroups = build_process_groups(self.sp, current=False)  # its "tp" groups are the sequence groups
         without = dataclasses.replace(engine.config, sections={k: v for k, v in engine.config.sections.items() if k != KEY})
-        options = (lambda: PlannedConfig(without, engine.plan)) if engine.compiles_model else None  # the plan as it is at the compile
-        engine.compiles_model = False  # the module compiles its rewritten graph itself
+        options = (lambda: PlannedConfig(without, engine.plan)) if engine.context.compiles_model else None  # the plan as it is at the compile
+        engine.context.compiles_model = False  # the module compiles its rewritten graph itself
         self.engine = engine
         self.module = SequenceParallelModule(engine.module, self.groups, None, options, self._after_split)
         self.module.dump_dir = engine.config.dump or None
-        engine.compile_target = self.module
-        engine.after_parameters_split = []  # ZeRO partitions once the graph is captured
+        engine.context.compile_target = self.module
+        engine.context.after_parameters_split = []  # ZeRO partitions once the graph is captured
 
     def _after_split(self, split: nn.Module) -> nn.Module:
-        for callback in self.engine.after_parameters_split or ():
+        for callback in self.engine.context.after_parameters_split or ():
             split = callback(split)
         return split
 

@@ -33,6 +33,7 @@ from dscompile.runtime.checkpoint_io import CheckpointWriter, resolve_checkpoint
 from dscompile.runtime.data_parallel import DataParallelGradients
 from dscompile.runtime.dataloader import EpochLoader, RepeatingLoader
 from dscompile.runtime.dynamo_room import make_room
+from dscompile.runtime.engine_context import refuse_engine_write
 from dscompile.runtime.engine_core import init_from_launcher, register_engine_extension, world_info, wrapped_module_attribute
 from dscompile.runtime.engine_entry import EngineEntry
 from dscompile.runtime.optimizers import build_optimizer
@@ -94,8 +95,8 @@ class DSCompileEngine(nn.Module, TrainingCore):
         # a script's model-parallel unit gives the TP size; otherwise the plan reads it from the config
         plan = plan_parallel(config, world_info()[0], model_parallel.tp_size) if model_parallel is not None else None
         self.init_core(config, optimizer, lr_scheduler, plan)
-        self.compiles_model = compile_model
-        self.compile_target: nn.Module = model  # extensions may wrap it (ZeRO-2/3: a ZeroModule over the shards)
+        self.context.compiles_model = compile_model
+        self.context.compile_target = model  # extensions may wrap it (ZeRO-2/3: a ZeroModule over the shards)
         if model_parallel is not None:
             from dscompile.runtime.model_parallel_unit import prepare_model_parallel
 
@@ -109,7 +110,8 @@ class DSCompileEngine(nn.Module, TrainingCore):
             self.gradients = DataParallelGradients(model)  # the default: whole replicas, gradients averaged
         self._compiled = self._compile(self.compile_target, config)
 
-    def _compile(self, target: nn.Module, config: DSConfig) -> Any:
+    def _compile(self, target: nn.Module | None, config: DSConfig) -> Any:
+        assert target is not None  # set by __init__ before the extensions
         if self.compiles_model:
             _make_room_for_one_more_engine()
         # the graphs' passes read the engine's plan (ZeRO schedule, checkpointing), re-plans included, not the config
@@ -125,6 +127,12 @@ class DSCompileEngine(nn.Module, TrainingCore):
         """Compile the model again under ``config`` and the engine's current plan (an extension re-planned it, e.g. ZeRO
         profiling swapped in a new ``ZeroSchedule``)."""
         self._compiled = self._compile(self.compile_target, config)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """nn.Module's, but the views of ``engine.context`` stay read-only for module values too (nn.Module would
+        register ``engine.compile_target = module`` as a submodule the property then hides)."""
+        refuse_engine_write(self, name)
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         """nn.Module's (parameters, buffers, submodules), then the wrapped model's, as DeepSpeed's engine."""

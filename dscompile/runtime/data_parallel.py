@@ -2,7 +2,7 @@
 
 Every rank holds the whole model. At construction rank 0's parameters and buffers are broadcast
 (so every rank starts equal); at each accumulation boundary the gradients are averaged with one
-flat all-reduce (in ``engine.communication_data_type`` when set, with DeepSpeed's
+flat all-reduce (in ``engine.context.communication_data_type`` when set, with DeepSpeed's
 ``prescale_gradients`` / ``gradient_predivide_factor``), so the optimizer steps identical
 gradients everywhere and clipping needs no further communication. A single process is the same
 strategy with nothing to reduce. Checkpoints are one file written by rank 0:
@@ -88,8 +88,8 @@ class DataParallelGradients(GradientStrategy):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [present])
-        if engine.communication_data_type is not None:
-            flat = flat.to(engine.communication_data_type)
+        if engine.context.communication_data_type is not None:
+            flat = flat.to(engine.context.communication_data_type)
         values = flat[: -len(params)]
         if config.prescale_gradients:
             values /= self.world_size

@@ -2,7 +2,8 @@
 
 ``EngineCore`` holds the engine's parsed config (``_config``), its place in the world (``world_size``,
 ``global_rank``, ``local_rank``), the one parallel plan (``plan``, from ``dscompile/planner/``), the extensions
-(``runtime/engine_extension.py``) with their ``configure`` / ``counters`` / ``destroy`` hooks, the communication
+(``runtime/engine_extension.py``) with their ``configure`` / ``counters`` / ``destroy`` hooks, the state they share
+(``context``, an ``EngineContext`` from ``runtime/engine_context.py``), the communication
 counters (``comm_stats``, ``communication_stats()``), ``destroy()`` and the plan's dump. ``TrainingCore``
 (``runtime/training_core.py``) adds the optimizer step for ``DSCompileEngine`` and ``PipelineEngine``;
 ``InferenceEngine`` stands on this base alone. Which engine uses which part: docs/architecture.md.
@@ -19,6 +20,7 @@ from torch import nn
 
 from dscompile.planner import ParallelPlan, write_plan
 from dscompile.runtime.comm_stats import CommStats
+from dscompile.runtime.engine_context import EngineContext
 from dscompile.runtime.engine_extension import (  # noqa: F401  (extensions import them from here too)
     INFERENCE,
     TRAINING,
@@ -66,6 +68,7 @@ class EngineCore:
         self.world_size, self.global_rank = world_info()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # as DeepSpeed reads it from the launcher
         self.plan: ParallelPlan = plan  # the one plan (DESIGN.md): every layout decision the engine and its passes read
+        self.context = EngineContext()  # what extensions share: they write and read it, never attributes of the engine
         self.extensions: list[EngineExtension] = []
         self.comm_stats = CommStats(synchronize=timed_collectives)
         self.destroyed = False
@@ -73,6 +76,10 @@ class EngineCore:
     @property
     def rank(self) -> int:
         return self.global_rank
+
+    def replan(self, plan: ParallelPlan) -> None:
+        """Swap in a plan an extension extended (offload placements) or re-decided (ZeRO profiling's schedule)."""
+        self.plan = plan
 
     # -- extensions ----------------------------------------------------------------------------
     def configure_extensions(self, config: Any | None = None) -> None:

@@ -225,10 +225,10 @@ class MixedPrecision(EngineExtension):
 
     def configure(self, engine: TrainingCore) -> None:
         if self.comm_dtype is not None:
-            engine.communication_data_type = self.comm_dtype
+            engine.context.communication_data_type = self.comm_dtype
         if self.precision is None:
             return
-        engine.compute_dtype = self.compute_dtype
+        engine.context.compute_dtype = self.compute_dtype
         odd = sorted({str(p.dtype) for p in engine.module.parameters() if p.requires_grad and p.dtype != self.master_dtype})
         if odd:
             raise DSCompileConfigError(

@@ -93,8 +93,8 @@ def model_parallel_slices(module: torch.nn.Module) -> dict[str, SliceSpec]:
 
 def prepare_model_parallel(engine: TrainingCore, groups: ProcessGroups) -> None:
     """Before the extensions: the groups on the engine (ZeRO shards over ``dp_group``), the replicas of each slice equal."""
-    engine.process_groups = groups
-    engine.model_parallel_slices = model_parallel_slices(engine.module)
+    engine.context.process_groups = groups
+    engine.context.model_parallel_slices = model_parallel_slices(engine.module)
     if groups.dp_size > 1:
         with torch.no_grad():
             for tensor in list(engine.module.parameters()) + list(engine.module.buffers()):
@@ -103,7 +103,7 @@ def prepare_model_parallel(engine: TrainingCore, groups: ProcessGroups) -> None:
 
 def model_parallel_gradients(engine: TrainingCore, groups: ProcessGroups) -> GradientStrategy:
     """Data parallelism over the DP group with TP-aware norms and checkpoints, or the ZeRO strategy wrapped alike."""
-    slices = engine.model_parallel_slices or {}
+    slices = engine.context.model_parallel_slices or {}
     if engine.gradients is None:
         return TensorParallelGradients(engine.module, groups, lambda: slices)
     return TensorParallelOver(engine.gradients, groups, lambda: slices)

@@ -4,7 +4,7 @@ Ranks are laid out by the one rank layout (``dscompile.planner.ParallelLayout``,
 ``rank = (stage * dp + data_parallel_rank) * tp + tp_rank``, tensor parallelism innermost). At the accumulation boundary a
 parameter used by several stages (tied embeddings) has its gradients summed over the ranks that
 hold it, then every stage's gradients are averaged over its data-parallel replicas (in
-``engine.communication_data_type`` when set). Clipping takes the norm of the whole model: every
+``engine.context.communication_data_type`` when set). Clipping takes the norm of the whole model: every
 stage's squares summed over all ranks, a tied parameter counted once, a parameter tensor parallelism
 left whole (replicated on every TP rank) counted once, its split ones summed over their slices. With
 ``zero_optimization.stage`` 1 each replica of a stage owns about ``1/dp`` of its elements (whole
@@ -106,8 +106,8 @@ class PipelineGradients(GradientStrategy):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dtype = flat.dtype
-        if engine.communication_data_type is not None:
-            flat = flat.to(engine.communication_data_type)
+        if engine.context.communication_data_type is not None:
+            flat = flat.to(engine.context.communication_data_type)
         with engine.comm_stats.timed("pipeline", what, tensor_bytes(flat)):
             dist.all_reduce(flat, group=group)
         flat = flat.to(dtype)

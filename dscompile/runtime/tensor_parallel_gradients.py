@@ -128,7 +128,8 @@ class TensorParallelOver(GradientStrategy):
 
     def clip(self, engine: TrainingCore, params: list[nn.Parameter], max_norm: float) -> float:
         """By the global norm: shard squares summed over the DP group, and the TP slices' also over the TP group."""
-        partition = engine.zero  # type: ignore[attr-defined]
+        partition = engine.context.zero
+        assert partition is not None  # wraps ZeRO's strategy: ZeRO published its partition
         specs = self._slices()
         device = partition.shards[0].device
         sq = torch.zeros(2, dtype=torch.float64, device=device)  # [sliced, replicated over TP]
@@ -163,7 +164,7 @@ class TensorParallelOver(GradientStrategy):
 
     def save_checkpoint(self, engine: TrainingCore, ckpt: Any, client_state: dict | None) -> None:
         """Each TP rank's ZeRO group writes a ZeRO checkpoint of its slices (DeepSpeed's ``mp_rank_XX`` names)."""
-        if getattr(engine, "zero", None) is None:  # refused on every rank alike, before anything is written
+        if engine.context.zero is None:  # refused on every rank alike, before anything is written
             raise DSCompileConfigError(
                 "tensor_parallel", f"checkpoints of tensor parallelism under {self.inner.name} are not built", "save the weights with engine.save_16bit_model()"
             )

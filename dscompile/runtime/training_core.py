@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -25,6 +25,7 @@ from dscompile.planner import ParallelPlan, plan_parallel
 from dscompile.runtime.checkpoint_io import check_tag_agreement
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.devices import collective_device
+from dscompile.runtime.engine_context import refuse_engine_write
 from dscompile.runtime.engine_core import EngineCore, world_info
 from dscompile.runtime.engine_metrics import MemoryBreakdown, StepTimers, ThroughputTimer, log_every
 from dscompile.runtime.gradient_strategy import GradientStrategy
@@ -32,6 +33,8 @@ from dscompile.runtime.loss_scaler import MixedPrecision
 
 if TYPE_CHECKING:
     from dscompile.runtime.process_groups import ProcessGroups
+    from dscompile.runtime.zero_profile import ZeroProfiler
+    from dscompile.runtime.zero_shard import ZeroPartition
 
 log = logging.getLogger("dscompile.engines.training")
 
@@ -63,15 +66,6 @@ class TrainingCore(EngineCore):
         # the one plan (DESIGN.md): layout, effective ZeRO stage and who carries it out, offload, prefetch, checkpointing
         plan = plan if plan is not None else plan_parallel(config, world_info()[0])
         self.init_engine(config, plan, timed_collectives=bool(config.wall_clock_breakdown))
-        self.zero: Any = None  # the ZeroPartition when ZeRO is on (set by its extension): read by checkpoints and tools
-        # What extensions share, declared here so that none attaches attributes of its own:
-        self.compiles_model = False  # the engine torch.compiles compile_target (TP/SP modules compile their own graph)
-        self.compile_target: nn.Module | None = None  # what the engine compiles and calls (extensions may wrap the model)
-        self.process_groups: ProcessGroups | None = None  # the TP x DP groups (tensor parallelism, or a script's mpu)
-        self.model_parallel_slices: dict[str, Any] | None = None  # a script's mpu: the parameters each rank holds a slice of
-        # set by TP/SP, which split the parameters at the first batch: callbacks that take the split module and return
-        # the one to run (ZeRO partitions the split parameters then)
-        self.after_parameters_split: list[Callable[[nn.Module], nn.Module]] | None = None
         self.in_engine_backward = False  # True while engine.backward runs (a plain loss.backward() is scaled by hooks)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -79,14 +73,6 @@ class TrainingCore(EngineCore):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
-        # DeepSpeed's ZeRO computes the global gradient norm every step, clipping or not (zero_optimization.compute_grad_norm,
-        # set by the ZeRO extension); otherwise it is computed only to clip
-        self.grad_norm_every_step = False
-        # dtype of the gradient reductions done outside graphs (set by the mixed-precision
-        # extension from ``communication_data_type``); None reduces in the gradients' own dtype.
-        self.communication_data_type: torch.dtype | None = None
-        # dtype of the 16-bit copy save_16bit_model writes (the training precision; None: fp32)
-        self.compute_dtype: torch.dtype | None = None
         self.gradients: GradientStrategy | None = None
         self.timers = StepTimers(bool(config.wall_clock_breakdown))
         self.memory = MemoryBreakdown(bool(config.memory_breakdown), self.model_state_bytes)
@@ -103,14 +89,62 @@ class TrainingCore(EngineCore):
         """The ``DSConfig`` the engine trains under (``engine._config`` too, DeepSpeed's name)."""
         return self._config
 
+    # -- the shared state users, tests and checkpoints read: read-only views of engine.context -------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        refuse_engine_write(self, name)
+        super().__setattr__(name, value)
+
+    @property
+    def compile_target(self) -> nn.Module | None:
+        """What the engine compiles and calls (the model, or an extension's module over it)."""
+        return self.context.compile_target
+
+    @property
+    def compiles_model(self) -> bool:
+        """The engine torch.compiles ``compile_target`` (TP/SP modules compile their own graph)."""
+        return self.context.compiles_model
+
+    @property
+    def zero(self) -> ZeroPartition | None:
+        """The ZeRO partition when ZeRO is on, else None."""
+        return self.context.zero
+
+    @property
+    def process_groups(self) -> ProcessGroups | None:
+        """The TP x DP groups (tensor parallelism, or a script's mpu), else None."""
+        return self.context.process_groups
+
+    @property
+    def zero_profiler(self) -> ZeroProfiler | None:
+        """ZeRO profiling's profiler (``zero_optimization.profile_steps``), else None."""
+        return self.context.zero_profiler
+
+    @property
+    def communication_data_type(self) -> torch.dtype | None:
+        """The dtype of gradient reductions outside graphs (None: the gradients' own)."""
+        return self.context.communication_data_type
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The training precision: the dtype of ``save_16bit_model``'s copy (None: fp32)."""
+        return self.context.compute_dtype
+
+    # -- what extensions may replace of the core's own state ------------------------------------------------------------
+    def replace_optimizer(self, optimizer: Any) -> None:
+        """An extension's optimizer in place of the engine's (ZeRO's over the shards, offload's); the scheduler follows."""
+        self.optimizer = optimizer
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "optimizer"):
+            self.lr_scheduler.optimizer = optimizer
+
+    def install_gradients(self, strategy: GradientStrategy) -> None:
+        """An extension's gradient strategy in place of the engine's (``runtime/gradient_strategy.py``)."""
+        self.gradients = strategy
+
     # -- extensions ----------------------------------------------------------------------------
     def configure_extensions(self, config: Any | None = None) -> None:
-        """The core's extensions (``EngineCore.configure_extensions``), then the scheduler follows an optimizer they
-        replaced and the throughput timer learns the batch size."""
-        optimizer = self.optimizer
+        """The core's extensions (``EngineCore.configure_extensions``), then the throughput timer learns the batch size
+        (an optimizer an extension replaced already took the scheduler along: ``replace_optimizer``)."""
         super().configure_extensions(config)
-        if self.optimizer is not optimizer and self.lr_scheduler is not None and hasattr(self.lr_scheduler, "optimizer"):
-            self.lr_scheduler.optimizer = self.optimizer  # an extension moved the optimizer (ZeRO onto the shards)
         with contextlib.suppress(DSCompileConfigError):  # no batch size in the config: DeepSpeed's timer counts 1 per step
             self.tput_timer.batch_size = self.train_batch_size()
 
@@ -138,7 +172,8 @@ class TrainingCore(EngineCore):
             if scaler is not None:
                 self.extensions.append(MixedPrecision(scaler=scaler))  # no configure: only the scaler is set
             return
-        extension.scaler = scaler  # type: ignore[attr-defined]
+        assert isinstance(extension, MixedPrecision)
+        extension.scaler = scaler
 
     # -- the optimizer step ----------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -166,7 +201,7 @@ class TrainingCore(EngineCore):
             else:
                 if self.config.gradient_clipping > 0:
                     self._global_grad_norm = self.gradients.clip(self, params, self.config.gradient_clipping)
-                elif self.grad_norm_every_step:
+                elif self.context.grad_norm_every_step:
                     self._global_grad_norm = self.gradients.clip(self, params, math.inf)  # an infinite bound scales nothing
                 self._hook("before_optimizer_step", params)
                 self.optimizer.step()

@@ -134,9 +134,9 @@ class ZeroGradients(GradientStrategy):
             if not self.ignore_unused_parameters:
                 self._refuse_unused()
             return  # ZeRO-2/3 reduce-scattered in the backward graphs; ZeRO-1's reduce below checks its agreed counts
-        zero.comm_dtype = engine.communication_data_type
+        zero.comm_dtype = engine.context.communication_data_type
         zero.predivisor = engine.config.gradient_predivisor(zero.world)
-        itemsize = (engine.communication_data_type or zero.shards[0].dtype).itemsize
+        itemsize = (engine.context.communication_data_type or zero.shards[0].dtype).itemsize
         nbytes = sum(layout.shard_numel * zero.world for layout in zero.layouts) * itemsize
         with engine.comm_stats.timed("zero", "reduce_scatter", nbytes if zero.world > 1 else 0):
             zero.reduce_gradients()  # ZeRO-1: the only gradient communication, once per batch
@@ -205,11 +205,11 @@ class ZeroExtension(EngineExtension):
                 "zero_optimization.compute_grad_norm", "false needs gradient_clipping 0: clipping computes the norm (as DeepSpeed refuses it)",
                 "drop compute_grad_norm, or set gradient_clipping to 0",
             )
-        engine.grad_norm_every_step = bool(self.zc.compute_grad_norm)  # get_global_grad_norm() every step, as DeepSpeed's ZeRO
+        engine.context.grad_norm_every_step = bool(self.zc.compute_grad_norm)  # get_global_grad_norm() every step, as DeepSpeed's ZeRO
         if engine.optimizer is not None:
             check_zero_optimizer(engine.optimizer, bool(engine.config.zero_allow_untested_optimizer))
         params_or_error(engine.module, needs_training=True)
-        later = engine.after_parameters_split
+        later = engine.context.after_parameters_split
         if later is not None:  # tensor parallelism reshapes the parameters at the first batch: partition its slices then
             later.append(lambda split: self._partition_split(engine, split))
             return
@@ -232,7 +232,7 @@ class ZeroExtension(EngineExtension):
         zc = self.zc
         params = params_or_error(engine.module, needs_training=True)
         threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
-        groups = engine.process_groups  # ZeRO shards over the data-parallel group only
+        groups = engine.context.process_groups  # ZeRO shards over the data-parallel group only
         self.partition = ZeroPartition(
             engine.module,
             zc.stage,
@@ -243,9 +243,9 @@ class ZeroExtension(EngineExtension):
             allgather_partitions=zc.allgather_partitions,
             ignore_unused_parameters=zc.ignore_unused_parameters,
         )
-        engine.zero = self.partition  # the handle checkpoints, tests and tools read
+        engine.context.zero = self.partition  # the handle checkpoints, tests and tools read
         if zc.stage >= 2 and not keep_optimizer_object:
-            engine.compile_target = ZeroModule(engine.module, self.partition)
+            engine.context.compile_target = ZeroModule(engine.module, self.partition)
         if engine.optimizer is not None:
             # Offloaded host steps keep torch's fused CPU AdamW (the fast one) and stay bitwise equal to no offload:
             # cpu offload steps whole shards, NVMe tiles cut shards only at vector-aligned positions (CUT_ELEMENTS).
@@ -253,7 +253,5 @@ class ZeroExtension(EngineExtension):
             if keep_optimizer_object and type(sharded) is type(engine.optimizer):
                 take_param_groups(engine.optimizer, sharded)
             else:
-                engine.optimizer = sharded
-            if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "optimizer"):
-                engine.lr_scheduler.optimizer = engine.optimizer
-        engine.gradients = ZeroGradients(self.partition, zc.ignore_unused_parameters)
+                engine.replace_optimizer(sharded)  # the scheduler follows
+        engine.install_gradients(ZeroGradients(self.partition, zc.ignore_unused_parameters))

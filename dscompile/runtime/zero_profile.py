@@ -398,7 +398,7 @@ class ZeroProfiler:
 
 def replan_engine(engine: Any, schedule: ZeroSchedule) -> None:
     """Swap ``schedule`` into the engine's one plan and compile once more: the new graphs' passes read it."""
-    engine.plan = dataclasses.replace(engine.plan, zero_schedule=schedule)
+    engine.replan(dataclasses.replace(engine.plan, zero_schedule=schedule))
     engine.recompile(engine.config)
 
 
@@ -411,16 +411,16 @@ class ZeroProfileExtension(EngineExtension):
         self.profiler: ZeroProfiler | None = None
 
     def configure(self, engine: Any) -> None:
-        engine.zero_profiler = None
+        engine.context.zero_profiler = None
         schedule = engine.plan.zero_schedule
         if not schedule.in_graphs:
             log.info("zero_optimization.profile_steps: ZeRO-1 has no collectives in the graphs to plan; not profiling")
             return
-        if not engine.compiles_model:
+        if not engine.context.compiles_model:
             log.info("zero_optimization.profile_steps: this engine does not compile its model; not profiling")
             return
         self.profiler = ZeroProfiler(engine.config, schedule, schedule.profile_steps, lambda new: replan_engine(engine, new))
-        engine.zero_profiler = self.profiler
+        engine.context.zero_profiler = self.profiler
 
     def after_optimizer_step(self, engine: Any, overflow: bool) -> None:
         if self.profiler is not None:

@@ -76,25 +76,25 @@ class TensorParallelExtension(EngineExtension):
         # the split graph compiles under the engine's config, less this section (the frontend refuses it on its own),
         # and under the engine's plan as it is when the graph compiles (at the first batch: a plan swapped in before counts)
         split_config = dataclasses.replace(engine.config, sections=split_graph_sections(engine.config.sections))
-        options = (lambda: PlannedConfig(split_config, engine.plan)) if engine.compiles_model else None
-        engine.compiles_model = False  # the module compiles its split graph itself
+        options = (lambda: PlannedConfig(split_config, engine.plan)) if engine.context.compiles_model else None
+        engine.context.compiles_model = False  # the module compiles its split graph itself
         self.module = TensorParallelModule(engine.module, groups, self.tc, options, self._after_split)
-        engine.compile_target = self.module
-        engine.process_groups = groups
-        engine.gradients = TensorParallelGradients(engine.module, groups, self.slices, defer_optimizer=self._defer_optimizer)
+        engine.context.compile_target = self.module
+        engine.context.process_groups = groups
+        engine.install_gradients(TensorParallelGradients(engine.module, groups, self.slices, defer_optimizer=self._defer_optimizer))
         self.engine = engine
         self._pending: Any = None  # a checkpoint's optimizer states (and generators) loaded before the first batch split the model
         # extensions that partition parameters themselves (ZeRO) append here: run once the model is split, each
         # takes the module that runs the split graph and returns the one to run (ZeRO-2/3 wrap it over their shards)
-        engine.after_parameters_split = []
+        engine.context.after_parameters_split = []
 
     def _after_split(self, split: nn.Module) -> nn.Module:
         """Run the extensions waiting for the split parameters; each may wrap the module that runs (ZeRO-2/3)."""
         engine = self.engine
-        for callback in engine.after_parameters_split or ():
+        for callback in engine.context.after_parameters_split or ():
             split = callback(split)
         if not isinstance(engine.gradients, TensorParallelGradients):  # ZeRO-1 took over: gather its TP slices too
-            engine.gradients = TensorParallelOver(engine.gradients, self.groups, self.slices)  # type: ignore[arg-type]
+            engine.install_gradients(TensorParallelOver(engine.gradients, self.groups, self.slices))  # type: ignore[arg-type]
         if self._pending is not None:
             assert self.groups is not None
             restore_optimizer(engine, self._pending, self.slices(), self.groups)

@@ -135,8 +135,8 @@ class CompressionExtension(EngineExtension):
 
     # -- hooks -------------------------------------------------------------------------------------
     def before_forward(self, engine: TrainingCore) -> None:
-        if not self._shards_linked and engine.zero is not None and engine.zero.stage >= 2:
-            for full, shard in zip(engine.zero.full_params, engine.zero.shards):
+        if not self._shards_linked and engine.context.zero is not None and engine.context.zero.stage >= 2:
+            for full, shard in zip(engine.context.zero.full_params, engine.context.zero.shards):
                 if hasattr(full, "ds_compression"):
                     shard.ds_compression = full.ds_compression
                 if getattr(full, PREPARED, False):

@@ -95,7 +95,7 @@ def _host_copy(t: torch.Tensor, pin_memory: bool, non_blocking: bool) -> torch.T
 
 def check_offload_request(engine: Any, device: Any) -> None:
     """Refuse what is not built, naming the fix (DeepSpeed's own preconditions included)."""
-    if getattr(engine, "zero", None) is None:
+    if engine.context.zero is None:
         raise DSCompileConfigError(
             "offload_states", "needs ZeRO (zero_optimization.stage 1, 2 or 3): the engine has no partitioned states", "enable zero_optimization"
         )

@@ -310,13 +310,14 @@ class OneBitExtension(EngineExtension):
                 real = {id(s): max(0, min(lay.shard_numel, lay.numel - zero.rank * lay.shard_numel)) for s, lay in zip(zero.shards, zero.layouts)}
                 attach_shards(zero.group, real)
             strategy = OneBitZeroGradients(zero, engine.gradients.ignore_unused_parameters, optimizer.block_size, optimizer.kernel_impl)
-            engine.compile_target = engine.module  # stage 2: no in-graph reduce-scatter, the 1-bit exchange replaces it
+            engine.context.compile_target = engine.module  # stage 2: no in-graph reduce-scatter, the 1-bit exchange replaces it
             strategy.attach(engine)
-            engine.gradients = strategy
+            engine.install_gradients(strategy)
             self.purpose_stats = strategy.comm.stats
         elif engine.gradients is None:
-            engine.gradients = OneBitGradients(engine.module, optimizer)
-            engine.gradients.attach(engine)
+            gradients = OneBitGradients(engine.module, optimizer)
+            gradients.attach(engine)
+            engine.install_gradients(gradients)
             self.purpose_stats = optimizer.comm.stats
         else:
             raise DSCompileConfigError(

@@ -150,8 +150,8 @@ class OneBitZeroGradients(ZeroGradients):
     def _fp32_reduce(self, engine: TrainingCore) -> None:
         """ZeRO-1's reduce-scatter (the warm-up), at any stage."""
         zero = self.partition
-        zero.comm_dtype = engine.communication_data_type
-        itemsize = (engine.communication_data_type or zero.shards[0].dtype).itemsize
+        zero.comm_dtype = engine.context.communication_data_type
+        itemsize = (engine.context.communication_data_type or zero.shards[0].dtype).itemsize
         nbytes = sum(layout.shard_numel * zero.world for layout in zero.layouts) * itemsize
         self.exchange_log = [(b, False) for b in range(len(self.buckets))]
         with engine.comm_stats.timed("zero", "reduce_scatter", nbytes if zero.world > 1 else 0):
@@ -216,8 +216,8 @@ class OneBitZeroGradients(ZeroGradients):
         zero = self.partition
         flat = rows.reshape(-1)
         grad_dtype = flat.dtype
-        if engine.communication_data_type is not None and zero.world > 1:
-            flat = flat.to(engine.communication_data_type)
+        if engine.context.communication_data_type is not None and zero.world > 1:
+            flat = flat.to(engine.context.communication_data_type)
         out = flat.new_empty(flat.numel() // zero.world)
         if zero.world == 1:
             out.copy_(flat)
