@@ -46,6 +46,7 @@ PACKAGES = (
     "dscompile.passes",
     "dscompile.passes.tensor_parallel",
     "dscompile.passes.checkpointing",
+    "dscompile.passes.mixed_precision",
     "dscompile.backends",
     "dscompile.backends.triton",
     "dscompile.kernels",
