@@ -47,6 +47,7 @@ PACKAGES = (
     "dscompile.passes.tensor_parallel",
     "dscompile.passes.checkpointing",
     "dscompile.passes.mixed_precision",
+    "dscompile.passes.pipeline_split",
     "dscompile.backends",
     "dscompile.backends.triton",
     "dscompile.kernels",
