@@ -6,7 +6,7 @@ accepted while its capability is off; switching it on raises ``DSCompileNotSuppo
 naming the key. Keys that only tune DeepSpeed's own implementation (its timers, buffer sizes,
 the communication data type of sequence parallelism, which is not built) are accepted in any
 valid value. Built capabilities register their own sections (``passes/zero.py``,
-``passes/mixed_precision.py``, ...); the registry (``dscompile.pipeline.BUILTIN_MODULES``) loads this module.
+``passes/mixed_precision/``, ...); the registry (``dscompile.pipeline.BUILTIN_MODULES``) loads this module.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ _AUTOCAST_DTYPES = {
 
 
 def _check_torch_autocast(path: str, section: Mapping[str, Any]) -> None:
-    """``torch_autocast``: with the bf16/fp16 section on (checked by passes/mixed_precision.py), the ``amp`` pass is
+    """``torch_autocast``: with the bf16/fp16 section on (checked by passes/mixed_precision/config.py), the ``amp`` pass is
     torch.autocast's cast policy; here only the values."""
     if not isinstance(section.get("enabled", False), bool):
         raise DSCompileConfigError(f"{path}.enabled", f"expected true or false, got {section['enabled']!r}")

@@ -131,7 +131,7 @@ READ_UNTESTED: dict[str, str] = {
     f"{_Z}.offload_optimizer.cpuadam_cores_perc": "dscompile/runtime/offload/host.py",
     f"{_Z}.override_module_apply": "dscompile/runtime/zero_init.py",
     "aio.intra_op_parallelism": "dscompile/runtime/offload/swap.py",
-    "bf16.check_grad_overflow": "passes/mixed_precision.py",
+    "bf16.check_grad_overflow": "passes/mixed_precision/extension.py",
 }
 
 REFUSED: dict[str, dict[str, Any]] = {

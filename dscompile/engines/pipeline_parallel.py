@@ -7,7 +7,7 @@
 ``model(*micro_batch)`` must return the loss (or pass ``loss_fn``: ``loss_fn(model(*batch[:-1]),
 batch[-1])``). On the first batch (or at construction with ``example_batch=``) the model is
 captured whole through the frontend (``dscompile.frontend.capture``) with the ``pipeline_split`` pass
-in its pipeline, which partitions the graph and cuts the stages (``passes/pipeline_split.py``); the
+in its pipeline, which partitions the graph and cuts the stages (``passes/pipeline_split/``); the
 engine receives them as data (a ``StagedProgram``), as ``torch.distributed.pipelining``'s schedules
 receive its IR. Each rank keeps only its stages (their parameters; the others are freed), compiles them with the
 dscompile backend and runs its schedule. Ranks are laid out as DeepSpeed's pipeline topology lays them

@@ -3,7 +3,7 @@
 With ``bf16`` or ``fp16`` enabled DeepSpeed casts the module itself to 16 bits, so its users cast
 their inputs to match (``inputs.to(torch.bfloat16)``) and get 16-bit outputs back. dscompile keeps
 the module in fp32 (the optimizer's master weights) and lets the ``amp`` graph pass
-(``passes/mixed_precision.py``) pick each op's compute dtype. The two meet here, around the
+(``passes/mixed_precision/``) pick each op's compute dtype. The two meet here, around the
 compiled module an engine calls:
 
 - inputs: every bf16/fp16 floating tensor is upcast to fp32 before the call. The upcast is exact,

@@ -46,6 +46,8 @@ PACKAGES = (
     "dscompile.passes",
     "dscompile.passes.tensor_parallel",
     "dscompile.passes.checkpointing",
+    "dscompile.passes.mixed_precision",
+    "dscompile.passes.pipeline_split",
     "dscompile.backends",
     "dscompile.backends.triton",
     "dscompile.kernels",
