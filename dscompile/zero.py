@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dscompile.accelerator import get_accelerator
+from dscompile.comm import init_distributed
 from dscompile.config import load_config
 from dscompile.errors import DSCompileNotSupportedError
 from dscompile.runtime.zero_init import ShardOnCreation, gathered, shard_module
@@ -70,6 +71,7 @@ class Init:
                 # offload_param: the engine moves the shards cut here to the host or NVMe at construction
         if remote_device not in (None, "none", get_accelerator().device_name()):
             raise DSCompileNotSupportedError(f"zero.Init(remote_device={remote_device!r})", "ZeRO-Infinity parameter offload")
+        init_distributed()  # as DeepSpeed's Init: the process group from the launcher (or one process) when none exists yet
         group = data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group
         if module is not None:
             shard_module(module, group, dtype)

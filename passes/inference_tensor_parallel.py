@@ -83,18 +83,32 @@ class CacheStateModule(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs).logits
 
 
+class _SeenOutput:
+    """Where ``LogitsModule`` leaves the type of the output it saw while traced."""
+
+    type: type | None = None
+
+
 class LogitsModule(nn.Module):
-    """The model's plain forward (no cache) returning its logits: the engine's ``engine(input_ids)`` under TP."""
+    """The model's plain forward (no cache) returning its logits: the engine's ``engine(input_ids)`` under TP.
+
+    ``seen_output``: the class of the model's own output (a Hugging Face ``ModelOutput``), seen while the graph
+    is captured, so that the engine hands back that type around the logits, as the model does at tp_size 1
+    (Hugging Face's pipelines read ``outputs["logits"]`` and add keys to it)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.seen_output = _SeenOutput()  # an object of its own: export puts the module's own attributes (lists too) back
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if hasattr(getattr(self.model, "config", None), "use_cache"):  # a Hugging Face model: no growing cache in a plain forward
             kwargs = {"use_cache": False, **kwargs}
         out = self.model(*args, **kwargs)
-        return out.logits if hasattr(out, "logits") else out
+        if not hasattr(out, "logits"):
+            return out
+        self.seen_output.type = type(out)
+        return out.logits
 
 
 def stand_in(model: nn.Module) -> nn.Module:
@@ -108,12 +122,54 @@ def stand_in(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def policy_linears(model: nn.Module, policy: dict[type, tuple[str, ...]]) -> dict[str, set[str]]:
+    """The linears an ``injection_policy`` names, by the name of each layer it covers (DeepSpeed's test: a linear
+    whose name inside the layer contains one of the policy's names). A class the model lacks, or a name that
+    matches no linear of its layers, is an error naming ``injection_policy``."""
+    found: dict[str, set[str]] = {}
+    for cls, names in policy.items():
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
+        if not layers:
+            raise DSCompileConfigError("injection_policy", f"{type(model).__name__} has no {cls.__name__} layer", "name the model's own layer classes")
+        used: set[str] = set()  # a name need not match in every layer (T5's encoder blocks have no EncDecAttention)
+        for layer_name, layer in layers:
+            linears = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and any(name in n for name in names)}
+            used |= {name for name in names if any(name in n for n in linears)}
+            found[layer_name] = {f"{layer_name}.{n}.weight" if layer_name else f"{n}.weight" for n in linears}
+        missing = [name for name in names if name not in used]
+        if missing:
+            raise DSCompileConfigError("injection_policy", f"no {cls.__name__} has a linear named like {missing}", "name the layers' output linears")
+    return found
+
+
+def check_injection_policy(model: nn.Module, policy: dict[type, tuple[str, ...]], rows: set[str]) -> None:
+    """DeepSpeed's ``injection_policy`` says which linears of a layer end in an all-reduce (the row-parallel ones);
+    dscompile finds them in the graph. Accepted when the split agrees inside every layer the policy covers;
+    otherwise an error naming ``injection_policy``, never a split other than the one asked for."""
+    for layer_name, named in policy_linears(model, policy).items():
+        inside = {r for r in rows if r.startswith(f"{layer_name}.")}
+        if inside != named:
+            raise DSCompileConfigError(
+                "injection_policy",
+                f"at {layer_name!r} it names the all-reduce linears {sorted(named)}, the split found {sorted(inside)}",
+                "drop injection_policy (dscompile finds the row-parallel linears itself)",
+            )
+
+
 class TensorParallelGraphs:
     """The TP group, the model's slices, and the split graphs captured so far (one per input shape).
 
     ``tp_size`` divides the world: the engine's plan checked it (``planner.plan_inference``)."""
 
-    def __init__(self, model: nn.Module, tp_size: int, compile_graph: CompileGraph, quant: tuple[int, int | None, bool, bool] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tp_size: int,
+        compile_graph: CompileGraph,
+        quant: tuple[int, int | None, bool, bool] | None = None,
+        injection_policy: dict[type, tuple[str, ...]] | None = None,
+    ) -> None:
+        self.injection_policy = injection_policy  # DeepSpeed's all-reduce linears per layer class: checked against the split
         self.groups: ProcessGroups = build_process_groups(tp_size)
         self.tp_size = tp_size
         self.model = model
@@ -175,6 +231,8 @@ class TensorParallelGraphs:
                     p.data = spec.take(p.data, self.groups.tp_rank, self.tp_size).clone()
             self.slices = params
             self.split_blocks = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
+            if self.injection_policy:
+                check_injection_policy(self.model, self.injection_policy, {b["row"][len(prefix) :] for b in self.split_blocks})
         elif params != self.slices:
             raise RuntimeError(f"the {name} graph splits the model differently from the first graph: {sorted(set(params) ^ set(self.slices))}")
         if self.quant is not None:
@@ -299,14 +357,19 @@ class TensorParallelForward:
         self.graphs = graphs
         self._compiled: dict[tuple, Callable[..., Any]] = {}
 
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         values = [*args, *kwargs.values()]
         if not all(isinstance(v, torch.Tensor) for v in values):
             raise TypeError("under tensor parallelism the engine takes tensor inputs only (positional or by keyword)")
+        if "labels" in kwargs:
+            raise TypeError("under tensor parallelism the engine returns the logits only: compute the loss from them instead of passing labels")
         self.graphs.broadcast(values)
         key = (tuple((tuple(t.shape), t.dtype) for t in args), tuple((k, tuple(t.shape), t.dtype) for k, t in kwargs.items()))
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = self.graphs.split(LogitsModule(self.graphs.stand_in), "model.", tuple(args), {}, "forward", kwargs)
-            self._compiled[key] = fn
-        return fn(*args, **kwargs)
+        entry = self._compiled.get(key)
+        if entry is None:
+            wrapper = LogitsModule(self.graphs.stand_in)
+            entry = (self.graphs.split(wrapper, "model.", tuple(args), {}, "forward", kwargs), wrapper.seen_output.type)
+            self._compiled[key] = entry
+        fn, output_type = entry
+        logits = fn(*args, **kwargs)
+        return logits if output_type is None else output_type(logits=logits)

@@ -110,7 +110,7 @@ def tp2_engine(rank: int, world: int, dump: str) -> dict[str, Any]:
     ids, mask = left_padded_batch()
     engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=32, lower="eager", tensor_parallel={"tp_size": 2}, dump=dump)
     with torch.no_grad():
-        err = float((engine(ids, attention_mask=mask) - reference(ids, attention_mask=mask).logits).abs().max())
+        err = float((engine(ids, attention_mask=mask).logits - reference(ids, attention_mask=mask).logits).abs().max())
     stats = engine.communication_stats()
     engine.destroy()
     try:

@@ -48,7 +48,7 @@ def generate_both(rank: int, world: int) -> dict[str, Any]:
         got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
         sliced_q = model.get_submodule("transformer.h.0.attn.c_attn" if arch == "gpt2" else "model.layers.0.self_attn.q_proj").weight.shape
         cache = engine._static_generator().cache_for(2, ids.device)
-        forward_err = float((engine(ids, attention_mask=mask) - ref_logits).abs().max())
+        forward_err = float((engine(ids, attention_mask=mask).logits - ref_logits).abs().max())
         out[arch] = {
             "same_tokens": torch.equal(got.sequences, ref.sequences),
             "logit_err": float((torch.stack(got.logits) - torch.stack(ref.logits)).abs().max()),

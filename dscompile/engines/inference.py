@@ -23,21 +23,24 @@ collectives its graphs run; ``destroy()`` releases the compiled graphs.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from dscompile.errors import DSCompileConfigError
+from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.frontend import dscompile_backend
-from dscompile.passes.inference_tensor_parallel import TensorParallelForward, TensorParallelGraphs, TensorParallelStep
+from dscompile.passes.inference_tensor_parallel import TensorParallelForward, TensorParallelGraphs, TensorParallelStep, policy_linears
 from dscompile.planner import plan_inference
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.engine_core import INFERENCE, EngineCore, init_from_launcher, world_info
 from dscompile.runtime.inference.config import InferenceConfig, parse_inference_config
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
+
+log = logging.getLogger("dscompile.engines.inference")
 
 FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_rotary_embedding", "fuse_cache_attention", "fuse_inference_epilogues")
 
@@ -109,6 +112,9 @@ class InferenceEngine(nn.Module, EngineCore):
             self.quantized_layers = quantize_model_weights(
                 model, bits, weight.q_groups, weight.q_type == "symmetric", quantize_embeddings=weight.quantize_embeddings
             )
+        if config.injection_policy and tp_size == 1:
+            policy_linears(model, config.injection_policy)  # names the model's layers and linears, or an error naming the key
+            log.info("init_inference: injection_policy has no effect at tp_size 1 (it names the all-reduce linears of a split)")
         self.module = model
         self.compile_counts = {"forward": 0, "prefill": 0, "decode": 0}
         self.options: dict[str, Any] = {"pipeline": inference_pipeline(config)}
@@ -117,12 +123,13 @@ class InferenceEngine(nn.Module, EngineCore):
         self.tensor_parallel: TensorParallelGraphs | None = None
         if tp_size > 1:
             quant = None if bits is None else (bits, weight.q_groups, weight.q_type == "symmetric", weight.quantize_embeddings)
-            self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant)
+            self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant, config.injection_policy)
             self.quantized_layers = self.tensor_parallel.quantized_layers  # filled when the first graph splits the model
             self._forward: Callable[..., Any] = TensorParallelForward(self.tensor_parallel)
         else:
             self._forward = torch.compile(model, backend=self._backend("forward"))
         self._generator: StaticCacheGenerator | None = None
+        self._seq2seq_forward: Callable[..., Any] | None = None
         self.configure_extensions()
 
     def _compile_graph(self, gm: torch.fx.GraphModule, name: str) -> Callable[..., Any]:
@@ -147,6 +154,7 @@ class InferenceEngine(nn.Module, EngineCore):
         """``destroy()``: drop the compiled forward, the generator's prefill and decode graphs and the split graphs."""
         self._forward = _Destroyed()  # a module either way: the compiled forward is a child module of the engine
         self._generator = None
+        self._seq2seq_forward = None
         self.tensor_parallel = None
 
     def model_bytes(self) -> int:
@@ -186,6 +194,7 @@ class InferenceEngine(nn.Module, EngineCore):
         generator: torch.Generator | None = None,
         return_dict_in_generate: bool = False,
         output_logits: bool = False,
+        **kwargs: Any,
     ) -> torch.Tensor | GenerationOutput:
         """Hugging Face's ``generate`` for the common arguments: prompt + new tokens, ``[batch, length]``.
 
@@ -194,7 +203,22 @@ class InferenceEngine(nn.Module, EngineCore):
         so ``torch.manual_seed(s)`` before either gives the same tokens). ``eos_token_id`` and
         ``pad_token_id`` default to the model's ``generation_config``; rows that reached EOS are
         padded, and generation stops when all have.
+
+        An encoder-decoder model (``config.is_encoder_decoder``: T5, BART) runs Hugging Face's ``generate`` with
+        every argument it takes, each step through the compiled forward (``_generate_seq2seq``).
         """
+        self._check_alive()
+        if getattr(self.config, "is_encoder_decoder", False):
+            given = {"max_new_tokens": max_new_tokens, "max_length": max_length, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+            hf = {k: v for k, v in given.items() if v is not None}
+            hf.update(do_sample=do_sample, return_dict_in_generate=return_dict_in_generate, output_logits=output_logits)
+            if do_sample:
+                hf.update(temperature=temperature, top_k=top_k, top_p=top_p)
+            if seed is not None or generator is not None:
+                raise TypeError("generate of an encoder-decoder model draws from torch's global generator: call torch.manual_seed instead of seed/generator")
+            return self._generate_seq2seq(input_ids, attention_mask, **hf, **kwargs)
+        if kwargs:
+            raise TypeError(f"generate() got arguments the engine's generator does not take: {sorted(kwargs)}")
         gen_config = self.module.generation_config if hasattr(self.module, "generation_config") else None
         prompt = input_ids.shape[-1]
         if max_new_tokens is None:
@@ -214,6 +238,25 @@ class InferenceEngine(nn.Module, EngineCore):
         with collecting(self.comm_stats):
             out = self._static_generator().generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id, generator, output_logits)
         return out if return_dict_in_generate else out.sequences
+
+    def _generate_seq2seq(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
+        """An encoder-decoder model (T5, BART): Hugging Face's own ``generate`` loop, each step through the compiled forward.
+
+        The static-cache generator is built for decoder-only models; here the model's ``forward`` is swapped, for the
+        call, for its compiled version (the engine's pipeline; it recompiles once for the growing cache, then runs with
+        dynamic shapes), so encoder and decoder steps run as dscompile's graphs and the tokens are Hugging Face's."""
+        if self.tensor_parallel is not None:
+            raise DSCompileNotSupportedError(
+                "tensor_parallel.tp_size", "generate of an encoder-decoder model under tensor parallelism (decoder-only models only)"
+            )
+        if self._seq2seq_forward is None:
+            self._seq2seq_forward = torch.compile(self.module.forward, backend=self._backend("decode"))
+        self.module.forward = self._seq2seq_forward
+        try:
+            with torch.no_grad(), collecting(self.comm_stats):
+                return self.module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        finally:
+            del self.module.forward  # the class's forward again
 
 
 def init_inference(model: nn.Module, config: dict[str, Any] | None = None, **kwargs: Any) -> InferenceEngine:

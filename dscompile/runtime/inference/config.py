@@ -155,7 +155,7 @@ class InferenceConfig:
     return_tuple: bool = unbuilt(True, "DeepSpeed's injected transformer layers' return type (the model's own outputs are returned)")
     training_mp_size: int = unbuilt(1, "loading checkpoints trained with model parallelism")
     replace_method: str = unbuilt("auto", "replace_method (deprecated in DeepSpeed; remove it)")
-    injection_policy: Any = unbuilt(None, "injection policies (dscompile finds the fusions in the captured graph; remove it)")
+    injection_policy: Any = None  # {layer class: linear names}: checked, see validate and passes/inference_tensor_parallel.py
     injection_policy_tuple: Any = unbuilt(None, "injection policies (dscompile finds the fusions in the captured graph; remove it)")
     config: Any = unbuilt(None, "a model config for kernel injection (dscompile reads the captured graph)")
     max_out_tokens: int = 1024
@@ -184,8 +184,31 @@ class InferenceConfig:
             raise DSCompileConfigError("max_out_tokens", f"must be >= 1, got {self.max_out_tokens}")
         if not 1 <= self.min_out_tokens <= self.max_out_tokens:
             raise DSCompileConfigError("min_out_tokens", f"must be between 1 and max_out_tokens ({self.max_out_tokens}), got {self.min_out_tokens}")
+        self.injection_policy = parse_injection_policy(self.injection_policy)
+        if self.injection_policy and self.replace_with_kernel_inject:
+            raise DSCompileConfigError("injection_policy", "given with replace_with_kernel_inject (DeepSpeed uses one or the other)", "drop one of them")
         if not self.tensor_parallel.enabled and self.tensor_parallel.tp_size != 1:
             raise DSCompileConfigError("tensor_parallel.tp_size", "given with tensor_parallel.enabled false", "drop one of them")
+
+
+def parse_injection_policy(value: Any) -> dict[type, tuple[str, ...]] | None:
+    """DeepSpeed's ``injection_policy={LayerClass: ('attention.output.dense', 'output.dense')}``: per layer class, the
+    linears whose outputs are all-reduced under tensor parallelism. A single string (``('output.dense')`` is one, as
+    DeepSpeedExamples write it) is one name. What it means here: the tensor-parallel split must put its all-reduces
+    after exactly those linears of those layers (checked at the first split); at tp_size 1 nothing is split."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise DSCompileConfigError("injection_policy", f"expected a dict {{layer class: linear names}}, got {value!r}")
+    policy: dict[type, tuple[str, ...]] = {}
+    for cls, names in value.items():
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise DSCompileConfigError("injection_policy", f"keys are layer classes (torch.nn.Module subclasses), got {cls!r}")
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise DSCompileConfigError("injection_policy", f"{cls.__name__}: expected linear names (strings), got {value[cls]!r}")
+        policy[cls] = names
+    return policy
 
 
 def parse_dtype(value: Any) -> torch.dtype:
