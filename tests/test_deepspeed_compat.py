@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -104,10 +106,31 @@ def test_moe_is_importable_and_refused():
         MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2)
 
 
-def test_zero_init_needs_a_process_group():
-    with pytest.raises(DSCompileConfigError, match="init_distributed"):
-        with deepspeed.zero.Init():
-            nn.Linear(2, 2)
+_INIT_UNDER_A_LAUNCHER = """
+import torch.distributed as dist
+from torch import nn
+import dscompile as deepspeed
+assert not dist.is_initialized()
+with deepspeed.zero.Init():
+    layer = nn.Linear(4, 2)
+assert dist.is_initialized() and dist.get_world_size() == 1
+assert layer.weight.ds_shape == (2, 4) and layer.weight.ds_numel == 8 and layer.weight.numel() == 0
+print("ok")
+"""
+
+
+def test_zero_init_starts_the_process_group_as_deepspeeds_does():
+    """DeepSpeed's ``zero.Init`` calls ``init_distributed`` when no process group exists (scripts such as
+    DeepSpeedExamples' offload_states.py build their model under it first thing): the launcher's environment (here
+    torchrun's for one process) gives the group. In a fresh interpreter, so this process makes no group."""
+    from dscompile.testing.distributed import free_port
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", _INIT_UNDER_A_LAUNCHER], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_zero_init_disabled_and_mics():
     with deepspeed.zero.Init(enabled=False):
         assert nn.Linear(2, 2).weight.numel() == 4
     with pytest.raises(DSCompileNotSupportedError, match="MiCS"):
