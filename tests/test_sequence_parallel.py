@@ -264,11 +264,13 @@ def test_sequence_parallel_composes_with_sparse_attention(two_rank_results: dict
 def test_a_layout_per_head_is_refused_under_sequence_parallelism() -> None:
     from dscompile.config import load_config
     from dscompile.passes.sequence_parallel import SequenceParallelExtension
+    from dscompile.runtime.engine_context import EngineContext
 
     class Engine:  # what configure reads of an engine
         config = load_config({"sequence_parallel_size": 2, "sparse_attention": {**SPARSE, "different_layout_per_head": True}})
         runs_pipeline = False
-        process_groups = None
+        module = torch.nn.Linear(2, 2)
+        context = EngineContext()
 
     with pytest.raises(DSCompileConfigError, match="different_layout_per_head"):
         SequenceParallelExtension(2).configure(Engine())  # type: ignore[arg-type]
