@@ -251,12 +251,16 @@ class InferenceEngine(nn.Module, EngineCore):
             )
         if self._seq2seq_forward is None:
             self._seq2seq_forward = torch.compile(self.module.forward, backend=self._backend("decode"))
+        own = self.module.__dict__.get("forward")  # a forward set on the instance (e.g. accelerate's hooks) comes back
         self.module.forward = self._seq2seq_forward
         try:
             with torch.no_grad(), collecting(self.comm_stats):
                 return self.module.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         finally:
-            del self.module.forward  # the class's forward again
+            if own is None:
+                del self.module.forward  # the class's forward again
+            else:
+                self.module.forward = own
 
 
 def init_inference(model: nn.Module, config: dict[str, Any] | None = None, **kwargs: Any) -> InferenceEngine:
