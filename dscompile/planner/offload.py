@@ -68,8 +68,22 @@ class PlanRow:
     moves: str
 
 
+class _PlacedRows:
+    """What both offload plans say of their rows: which tensors leave the device, and how many bytes."""
+
+    rows: list[PlanRow]
+
+    @property
+    def offloaded_names(self) -> list[str]:
+        return [r.name for r in self.rows if r.placement != "device"]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(r.state_bytes for r in self.rows if r.placement != "device")
+
+
 @dataclass
-class OffloadPlan:
+class OffloadPlan(_PlacedRows):
     """Where each parameter's optimizer states live, and the predicted model-state bytes per rank."""
 
     device: str  # what the user asked: "cpu" or "nvme"
@@ -82,14 +96,6 @@ class OffloadPlan:
     tile_elements: int = 0  # nvme: elements per swap tile
     tile_planned: bool = False  # the planner chose the tile (``sub_group_size`` not given)
     buffer_count: int = 0  # nvme: tile buffers alive during the step
-
-    @property
-    def offloaded_names(self) -> list[str]:
-        return [r.name for r in self.rows if r.placement != "device"]
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(r.state_bytes for r in self.rows if r.placement != "device")
 
     @property
     def device_bytes(self) -> int:
@@ -228,7 +234,7 @@ def non_shard_device_bytes(
 
 
 @dataclass
-class ParamPlan:
+class ParamPlan(_PlacedRows):
     """Where each ZeRO-3 parameter shard lives, and how far ahead of its gather it is read."""
 
     device: str  # "cpu" or "nvme"
@@ -240,14 +246,6 @@ class ParamPlan:
     limit: int = 0  # bytes of model states per rank (offload_memory_limit); 0: none, every partitioned shard moves
     other_device_bytes: int = 0  # model-state bytes per rank on the device besides the partitioned shards
     kept_bytes: int = 0  # partitioned shards the limit leaves on the device
-
-    @property
-    def offloaded_names(self) -> list[str]:
-        return [r.name for r in self.rows if r.placement != "device"]
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(r.state_bytes for r in self.rows if r.placement != "device")
 
     @property
     def device_bytes(self) -> int:
