@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.fx
+from test_zero_prefetch_order import count_positions
 
 import dscompile.passes.zero_overlap as zero_overlap_module
 import dscompile.passes.zero_schedule as zero_schedule
@@ -114,19 +115,6 @@ def _schedule(gm: torch.fx.GraphModule) -> list[tuple[str, str | None]]:
     return [(n.name, ds_meta(n).get("zero", {}).get("wait_before")) for n in gm.graph.nodes]
 
 
-def _count_positions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls = [0]
-    real = zero_schedule.positions
-
-    def counted(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
-        calls[0] += 1
-        return real(graph)
-
-    monkeypatch.setattr(zero_schedule, "positions", counted)
-    monkeypatch.setattr(zero_overlap_module, "positions", counted)
-    return calls
-
-
 @pytest.mark.parametrize("bucket", [50_000, 1_000_000, 10**12])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_same_schedule_as_the_straightforward_algorithm(monkeypatch: pytest.MonkeyPatch, seed: int, bucket: int) -> None:
@@ -135,7 +123,7 @@ def test_same_schedule_as_the_straightforward_algorithm(monkeypatch: pytest.Monk
     before = [n.name for n in expected.graph.nodes]
     reference_overlap(expected.graph, options)
     assert [n.name for n in expected.graph.nodes] != before  # the comparison means something: the schedule moved nodes
-    calls = _count_positions(monkeypatch)
+    calls = count_positions(monkeypatch, zero_overlap_module)
     got = generated_graph(seed)
     zero_overlap(got, PassContext(config=None, graph_kind="backward", graph_name="backward"), options)
     got.graph.lint()

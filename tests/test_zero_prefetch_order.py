@@ -96,8 +96,9 @@ def _run_pass(gm: torch.fx.GraphModule, options: ZeroPrefetchOptions) -> PassCon
     return ctx
 
 
-def _count_positions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count every whole-graph position computation, whichever module the pass reaches it through."""
+def count_positions(monkeypatch: pytest.MonkeyPatch, *pass_modules: object) -> list[int]:
+    """Count every whole-graph position computation, whichever module (``zero_schedule`` or a pass module that
+    imported it) the pass reaches it through."""
     calls = [0]
     real = zero_schedule.positions
 
@@ -105,8 +106,8 @@ def _count_positions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls[0] += 1
         return real(graph)
 
-    monkeypatch.setattr(zero_schedule, "positions", counted)
-    monkeypatch.setattr(zero_prefetch_module, "positions", counted, raising=False)
+    for module in (zero_schedule, *pass_modules):
+        monkeypatch.setattr(module, "positions", counted, raising=False)
     return calls
 
 
@@ -120,7 +121,7 @@ def test_same_schedule_as_the_straightforward_algorithm(monkeypatch: pytest.Monk
     options = ZeroPrefetchOptions(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=live)
     expected = generated_graph(seed)
     reference_hoist(expected.graph, options)
-    calls = _count_positions(monkeypatch)
+    calls = count_positions(monkeypatch, zero_prefetch_module)
     got = generated_graph(seed)
     ctx = _run_pass(got, options)
     assert _schedule(got) == _schedule(expected)
@@ -136,7 +137,7 @@ def test_same_schedule_when_the_keys_run_out_of_room(monkeypatch: pytest.MonkeyP
     options = ZeroPrefetchOptions(stage3_prefetch_bucket_size=30_000, stage3_max_live_parameters=10**9)
     expected = generated_graph(3)
     reference_hoist(expected.graph, options)
-    calls = _count_positions(monkeypatch)
+    calls = count_positions(monkeypatch, zero_prefetch_module)
     got = generated_graph(3)
     _run_pass(got, options)
     assert _schedule(got) == _schedule(expected)
