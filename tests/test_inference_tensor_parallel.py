@@ -76,7 +76,8 @@ def generate_both(rank: int, world: int) -> dict[str, Any]:
     # DeepSpeed's injection_policy_tuple (the all-reduce linears by name): checked against the split, the same tokens
     single, model = tiny("llama"), tiny("llama")
     policy_tuple = ("self_attn.o_proj", "mlp.down_proj")
-    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=32, lower="eager", tensor_parallel={"tp_size": 2}, injection_policy_tuple=policy_tuple)
+    tp2 = {"tp_size": 2}
+    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=32, lower="eager", tensor_parallel=tp2, injection_policy_tuple=policy_tuple)
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     with torch.no_grad():
         out["policy_tuple"] = torch.equal(got, single.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
