@@ -3,7 +3,9 @@
 Each method maps onto torch (``torch.cuda`` on a GPU, the host otherwise), so a script written
 against DeepSpeed's accelerator runs unchanged. ``DS_ACCELERATOR=cpu|cuda`` picks one explicitly.
 On the host, memory queries report the process's resident set (sampled when asked; the peak is the
-largest sample since ``reset_peak_memory_stats``), as DeepSpeed's CPU accelerator does.
+largest sample since ``reset_peak_memory_stats``), as DeepSpeed's CPU accelerator does; ``memory_allocated`` leaves
+out the states ``engine.offload_states()`` parked on the host (``runtime/offload/states.py``), which on a GPU would
+have left the device: ``memory_reserved`` still counts them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.runtime.offload.states import host_parked_bytes
 
 __all__ = ["CPUAccelerator", "CUDAAccelerator", "get_accelerator", "set_accelerator"]
 
@@ -199,7 +202,7 @@ class CPUAccelerator(_Accelerator):
         return None
 
     def memory_allocated(self, device_index: int | None = None) -> int:
-        now = _resident_bytes()
+        now = _resident_bytes() - host_parked_bytes()  # parked states are the host's (as on a GPU), not the device's
         self._peak = max(self._peak, now)
         return now
 
@@ -207,12 +210,14 @@ class CPUAccelerator(_Accelerator):
         return max(self._peak, self.memory_allocated())
 
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
-        self._peak = _resident_bytes()
+        self._peak = _resident_bytes() - host_parked_bytes()
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return _resident_bytes()
 
     reset_max_memory_allocated = reset_peak_memory_stats
     reset_max_memory_cached = reset_peak_memory_stats
-    memory_cached = memory_allocated
-    memory_reserved = memory_allocated
+    memory_cached = memory_reserved
     max_memory_cached = max_memory_allocated
     max_memory_reserved = max_memory_allocated
 

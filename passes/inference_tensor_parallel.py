@@ -122,15 +122,37 @@ def stand_in(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def policy_linears(model: nn.Module, policy: dict[type, tuple[str, ...]]) -> dict[str, set[str]]:
+def policy_from_linear_names(model: nn.Module, names: tuple[str, ...], key: str = "injection_policy_tuple") -> dict[type, tuple[str, ...]]:
+    """DeepSpeed's ``injection_policy_tuple`` (the all-reduce linears' names, no layer class: what DeepSpeed's engine
+    fills in from each ``injection_policy`` value) as an ``injection_policy``: each name's layer is the module its
+    matches sit in (a module whose name ends with it, that suffix cut off), by class. A name no module's name ends
+    with is an error naming ``key``, as DeepSpeed's ``Injection policy layer ... not valid``."""
+    policy: dict[type, list[str]] = {}
+    modules = dict(model.named_modules())
+    for name in names:
+        layers = [full[: -len(name)].rstrip(".") for full in modules if full.endswith(name) and isinstance(modules[full], nn.Linear)]
+        if not layers:
+            raise DSCompileConfigError(
+                key,
+                f"no linear of {type(model).__name__} is named like {name!r}",
+                "name the row-parallel linears (those followed by an all-reduce) as their names end, e.g. 'self_attn.o_proj'",
+            )
+        for layer in layers:
+            found = policy.setdefault(type(modules[layer]), [])
+            if name not in found:
+                found.append(name)
+    return {cls: tuple(found) for cls, found in policy.items()}
+
+
+def policy_linears(model: nn.Module, policy: dict[type, tuple[str, ...]], key: str = "injection_policy") -> dict[str, set[str]]:
     """The linears an ``injection_policy`` names, by the name of each layer it covers (DeepSpeed's test: a linear
     whose name inside the layer contains one of the policy's names). A class the model lacks, or a name that
-    matches no linear of its layers, is an error naming ``injection_policy``."""
+    matches no linear of its layers, is an error naming ``key`` (``injection_policy``, or ``injection_policy_tuple``)."""
     found: dict[str, set[str]] = {}
     for cls, names in policy.items():
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
         if not layers:
-            raise DSCompileConfigError("injection_policy", f"{type(model).__name__} has no {cls.__name__} layer", "name the model's own layer classes")
+            raise DSCompileConfigError(key, f"{type(model).__name__} has no {cls.__name__} layer", "name the model's own layer classes")
         used: set[str] = set()  # a name need not match in every layer (T5's encoder blocks have no EncDecAttention)
         for layer_name, layer in layers:
             linears = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and any(name in n for name in names)}
@@ -138,21 +160,21 @@ def policy_linears(model: nn.Module, policy: dict[type, tuple[str, ...]]) -> dic
             found[layer_name] = {f"{layer_name}.{n}.weight" if layer_name else f"{n}.weight" for n in linears}
         missing = [name for name in names if name not in used]
         if missing:
-            raise DSCompileConfigError("injection_policy", f"no {cls.__name__} has a linear named like {missing}", "name the layers' output linears")
+            raise DSCompileConfigError(key, f"no {cls.__name__} has a linear named like {missing}", "name the layers' output linears")
     return found
 
 
-def check_injection_policy(model: nn.Module, policy: dict[type, tuple[str, ...]], rows: set[str]) -> None:
+def check_injection_policy(model: nn.Module, policy: dict[type, tuple[str, ...]], rows: set[str], key: str = "injection_policy") -> None:
     """DeepSpeed's ``injection_policy`` says which linears of a layer end in an all-reduce (the row-parallel ones);
     dscompile finds them in the graph. Accepted when the split agrees inside every layer the policy covers;
-    otherwise an error naming ``injection_policy``, never a split other than the one asked for."""
-    for layer_name, named in policy_linears(model, policy).items():
+    otherwise an error naming ``key``, never a split other than the one asked for."""
+    for layer_name, named in policy_linears(model, policy, key).items():
         inside = {r for r in rows if r.startswith(f"{layer_name}.")}
         if inside != named:
             raise DSCompileConfigError(
-                "injection_policy",
+                key,
                 f"at {layer_name!r} it names the all-reduce linears {sorted(named)}, the split found {sorted(inside)}",
-                "drop injection_policy (dscompile finds the row-parallel linears itself)",
+                f"drop {key} (dscompile finds the row-parallel linears itself)",
             )
 
 
@@ -168,8 +190,10 @@ class TensorParallelGraphs:
         compile_graph: CompileGraph,
         quant: tuple[int, int | None, bool, bool] | None = None,
         injection_policy: dict[type, tuple[str, ...]] | None = None,
+        injection_policy_key: str = "injection_policy",
     ) -> None:
         self.injection_policy = injection_policy  # DeepSpeed's all-reduce linears per layer class: checked against the split
+        self.injection_policy_key = injection_policy_key  # the key errors name (injection_policy or injection_policy_tuple)
         self.groups: ProcessGroups = build_process_groups(tp_size)
         self.tp_size = tp_size
         self.model = model
@@ -232,7 +256,9 @@ class TensorParallelGraphs:
             self.slices = params
             self.split_blocks = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
             if self.injection_policy:
-                check_injection_policy(self.model, self.injection_policy, {b["row"][len(prefix) :] for b in self.split_blocks})
+                check_injection_policy(
+                    self.model, self.injection_policy, {b["row"][len(prefix) :] for b in self.split_blocks}, self.injection_policy_key
+                )
         elif params != self.slices:
             raise RuntimeError(f"the {name} graph splits the model differently from the first graph: {sorted(set(params) ^ set(self.slices))}")
         if self.quant is not None:

@@ -40,6 +40,7 @@ from dscompile.pipeline import PassContext, invocation, register_config_rule, re
 from dscompile.planner import zero_schedule_of
 from dscompile.runtime import zero_ops
 from dscompile.runtime.engine_core import register_engine_extension
+from dscompile.runtime.zero_leaf import LeafModuleConfig
 
 log = logging.getLogger("dscompile.passes.zero")
 
@@ -69,7 +70,7 @@ class ZeroConfig:
     ``contiguous_gradients``, ``round_robin_gradients``,
     ``memory_efficient_linear``, ``use_multi_rank_bucket_allreduce``,
     ``legacy_stage1``,
-    ``parameter_alignment``, ``stage3_module_granularity_threshold``, ``leaf_module``,
+    ``parameter_alignment``, ``stage3_module_granularity_threshold``,
     ``stage3_use_all_reduce_for_fetch_params``, ``stage3_allgather_sequential``,
     ``enable_sanity_checks``, ``log_trace_cache_warnings`` and
     ``save_muon_momentum_buffer_in_memory`` are accepted and change nothing here (they tune
@@ -93,6 +94,9 @@ class ZeroConfig:
     what does not fit. ``offload_param`` (stage 3 only; ``passes/offload.py``) keeps the ZeRO-3
     parameter shards on the host or in NVMe swap files, read just before their all-gather (under
     ``offload_memory_limit`` only the shards that do not fit).
+    ``leaf_module`` (``classes``, ``names``, ``name_suffixes``; DeepSpeed's default classes are the Hugging Face
+    sparse MoE blocks) flags ZeRO-3 leaf modules before partitioning (``runtime/zero_leaf.py``): each one's
+    parameters are gathered together, as one all-gather, before its first use.
     ZeRO++, ZenFlow and MiCS are refused.
     """
 
@@ -210,6 +214,7 @@ class ZeroConfig:
             )
         if not self.compute_grad_norm and self.stage not in (1, 2):
             raise DSCompileConfigError(f"{path}.compute_grad_norm", "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)", "drop the key")
+        _leaf_module_config(self.leaf_module, f"{path}.leaf_module")  # refuse a bad section now, not at partitioning
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
         if not isinstance(self.profile_steps, int) or isinstance(self.profile_steps, bool) or self.profile_steps < 0:
@@ -218,6 +223,29 @@ class ZeroConfig:
     @property
     def enabled(self) -> bool:
         return self.stage > 0
+
+    @property
+    def leaf_modules(self) -> LeafModuleConfig:
+        """The modules the engine flags as ZeRO-3 leaves (``leaf_module``, DeepSpeed's defaults where not given)."""
+        return _leaf_module_config(self.leaf_module, "zero_optimization.leaf_module")
+
+
+def _leaf_module_config(value: Any, path: str) -> LeafModuleConfig:
+    """``leaf_module`` as DeepSpeed reads it: a mapping of ``classes`` / ``names`` / ``name_suffixes``, each a string or
+    a list of strings; the keys not given keep DeepSpeed's defaults."""
+    if value is None:
+        return LeafModuleConfig()
+    if not isinstance(value, dict):
+        raise DSCompileConfigError(path, f"must be a mapping of classes / names / name_suffixes, got {value!r}")
+    fields: dict[str, list[str]] = {}
+    for key, entries in value.items():
+        if key not in ("classes", "names", "name_suffixes"):
+            raise DSCompileConfigError(f"{path}.{key}", "is not a leaf_module key", "use classes, names or name_suffixes")
+        entries = [entries] if isinstance(entries, str) else entries
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise DSCompileConfigError(f"{path}.{key}", f"must be a string or a list of strings, got {entries!r}")
+        fields[key] = list(dict.fromkeys(entries))
+    return LeafModuleConfig(**fields)
 
 
 # DeepSpeed's field names, accepted beside the ``stage3_`` spellings its documentation uses.
@@ -251,7 +279,6 @@ _NO_EFFECT = {
     "enable_sanity_checks": _SAME,
     "save_muon_momentum_buffer_in_memory": _SAME,
     "stage3_module_granularity_threshold": "it sets DeepSpeed's ZeRO-3 hook granularity; the compiled graph places gathers per use",
-    "leaf_module": "it marks DeepSpeed's ZeRO-3 leaf modules for its hooks; the compiled graph sees through modules",
     "elastic_checkpoint": 'every dscompile ZeRO checkpoint loads on any world size (resharded on load), whatever it says',
 }
 """ZeRO keys accepted with no effect here, and why (logged once when given)."""
@@ -357,6 +384,7 @@ def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptio
     graph = gm.graph
     counts = {"all_gather": 0, "reduce_scatter": 0, "use": 0}
     in_place: list[torch.fx.Node] = []
+    leaves: dict[str, list[list[torch.fx.Node]]] = {}
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -366,13 +394,15 @@ def zero_pass(gm: torch.fx.GraphModule, ctx: PassContext, options: ZeroPassOptio
             counts["use"] += 1
         elif node.target is zero_ops.GATHER:
             source = node.args[0]
-            if _insert_gather(graph, node):
+            if _insert_gather(graph, node, leaves):
                 counts["all_gather"] += 1
             elif node._erased:  # an offloaded shard's read used in place (world 1)
                 in_place.append(source)
         elif node.target is zero_ops.REDUCE_SCATTER:
             if _insert_reduce_scatter(graph, node, ctx.config):
                 counts["reduce_scatter"] += 1
+    if leaves:
+        counts["leaf_modules"] = _gather_leaves_together(graph, leaves)
     if in_place:
         _pin_reads(graph, in_place)
         counts["param_loads_in_place"] = len(in_place)
@@ -478,8 +508,9 @@ def joint_backward(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return found
 
 
-def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
-    shard, shape, numel, group = node.args
+def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node, leaves: dict[str, list[list[torch.fx.Node]]] | None = None) -> bool:
+    shard, shape, numel, group = node.args[:4]
+    leaf = str(node.args[4] if len(node.args) > 4 else node.kwargs.get("leaf", ""))
     world = _group_size(group)
     if world is None:
         log.info("%s: no process group, leaving the eager zero_gather in place", node.name)
@@ -497,6 +528,8 @@ def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
             value = new_node(graph, aten.slice.Tensor, (wait, 0, 0, numel))
         value = new_node(graph, aten.view.default, (value, list(shape)))
     ds_meta(start)["zero"] = {"kind": "all_gather", "elements": world * length, "group": group, "world": world, "shard_numel": length, "members": 1}
+    if leaf:
+        ds_meta(start)["zero"]["leaf"] = leaf
     node.replace_all_uses_with(value)
     graph.erase_node(node)
     if users:
@@ -506,7 +539,30 @@ def _insert_gather(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
             chain.insert(0, shard)  # offload_param: the shard is read just before its gather (prefetch passes hoist both)
         for item in chain:
             first.prepend(item)
+        if leaf and leaves is not None:
+            leaves.setdefault(leaf, []).append(chain)
     return True
+
+
+def _gather_leaves_together(graph: torch.fx.Graph, leaves: dict[str, list[list[torch.fx.Node]]]) -> int:
+    """ZeRO-3 leaf modules (``runtime/zero_leaf.py``): every gather of a leaf's parameters moves up to the first of
+    them, so the leaf's parameters arrive together before its first use (``zero_bucketing`` then issues them as one
+    all-gather). Each chain reads only its shard (a graph input), so moving it up keeps the graph valid.
+    Returns the number of leaf modules gathered as a unit."""
+    grouped = 0
+    for chains in leaves.values():
+        if len(chains) < 2:
+            continue
+        order = _position(graph)
+        chains = sorted(chains, key=lambda chain: order(chain[0]))
+        cursor = chains[0][-1]
+        for chain in chains[1:]:
+            for item in chain:
+                if cursor.next is not item:
+                    cursor.append(item)
+                cursor = item
+        grouped += 1
+    return grouped
 
 
 def _use_loaded_shard(graph: torch.fx.Graph, node: torch.fx.Node, shard: torch.fx.Node, shape: list[int], numel: int) -> None:

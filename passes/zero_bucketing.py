@@ -6,7 +6,8 @@ place of the first, so the others arrive early) and each parameter's ``[N, L]`` 
 copied out. Reduce-scatters: consecutive gradients, each laid out ``[N, L]``, are concatenated
 along the columns and reduce-scattered once (at the place of the last, when all are ready);
 each shard gradient is a slice of the result. Bucket limits are element counts, as in DeepSpeed;
-a collective larger than the limit stays alone.
+a collective larger than the limit stays alone. The all-gathers of one ZeRO-3 leaf module (``meta["zero"]["leaf"]``,
+consecutive after the ``zero`` pass) form one bucket of their own whatever the limits: the leaf moves as a unit.
 
 A bucket costs copies: the shards are concatenated into the flat input, and each gathered
 parameter is copied out of its ``[N, L]`` columns (the gradients likewise into the reduce-scatter
@@ -57,6 +58,17 @@ def _buckets(starts: list[torch.fx.Node], limit: int, alone_above: int = -1) -> 
     for node in starts:
         info = ds_meta(node)["zero"]
         dtype = node_value(node.args[0]).dtype
+        leaf = info.get("leaf")
+        if leaf and buckets and ds_meta(buckets[-1][0])["zero"].get("leaf") == leaf:
+            head = buckets[-1][0]
+            if ds_meta(head)["zero"]["group"] == info["group"] and node_value(head.args[0]).dtype == dtype:
+                buckets[-1].append(node)  # a ZeRO-3 leaf module's parameters move as one unit, whatever the limits
+                size += info["elements"]
+                continue
+        if leaf:
+            buckets.append([node])  # a leaf's unit is its own bucket: nothing else joins it
+            size, closed = info["elements"], True
+            continue
         if _alone(node, alone_above):
             buckets.append([node])
             closed = True

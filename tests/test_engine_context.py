@@ -137,6 +137,14 @@ def test_extensions_never_write_engine_attributes() -> None:
     assert not found, "extensions write attributes of the engine (use engine.context or the core's methods):\n" + "\n".join(found)
 
 
+def test_no_module_writes_engine_attributes() -> None:
+    """Beyond extensions: no module (checkpoint loading, ``initialize``, the Hugging Face integration, ...) sets an
+    attribute of an engine from outside it; the counters, the scheduler and the rest change through the core's methods
+    (``restore_counters``, ``install_lr_scheduler``, ``replace_optimizer``, ...) or ``engine.context``."""
+    found = [hit for top in SOURCES for path in sorted((ROOT / top).rglob("*.py")) for hit in engine_attribute_writes(path)]
+    assert not found, "modules write attributes of the engine (use the core's methods or engine.context):\n" + "\n".join(found)
+
+
 # ---------------------------------------------------------------------------------------------
 # a real engine
 # ---------------------------------------------------------------------------------------------

@@ -123,3 +123,39 @@ def test_set_gradient_accumulation_boundary_steps_once_after_the_micro_batches(s
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     manual.set_gradient_accumulation_boundary(None)
     assert manual.is_gradient_accumulation_boundary() is False  # counting again: micro-step 1 of 3
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).square().mean()
+
+
+def test_cpu_memory_allocated_drops_by_the_parked_states_and_comes_back() -> None:
+    """DeepSpeedExamples' ``training/offload_states`` asserts ``get_accelerator().memory_allocated()`` drops after
+    ``offload_states()`` and rises after ``reload_states()``. On CPU (memory: the process's resident set, as DeepSpeed's
+    CPU accelerator reports it) the parked states are the host's, as on a GPU: ``memory_allocated`` drops by the bytes
+    parked, ``memory_reserved`` (the memory itself) does not, and nothing is copied (the device is the host)."""
+    from dscompile.accelerator import CPUAccelerator
+    from dscompile.runtime.offload.states import host_parked_bytes
+
+    acc = CPUAccelerator()
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "zero_optimization": {"stage": 3}, "lower": "eager"}
+    engine, *_ = dscompile.initialize(model=_Wide(), config=cfg)
+    loss = engine(torch.randn(4, 512))
+    engine.backward(loss)
+    engine.step()
+    storages = [t.untyped_storage().data_ptr() for t in _states(engine) if t.dim() > 0]
+    before, reserved = acc.memory_allocated(), acc.memory_reserved()
+    engine.offload_states()
+    parked = engine.offloaded_states.host_bytes()
+    after = acc.memory_allocated()
+    assert parked == host_parked_bytes() >= 3 * 4 * 512 * 513  # fp32 shards and AdamW's two moments (one rank: everything)
+    assert 0.9 * parked <= before - after <= 1.1 * parked, (before, after, parked)
+    assert abs(acc.memory_reserved() - reserved) < 0.1 * parked  # the same memory, now the host's
+    assert sorted(p.host.untyped_storage().data_ptr() for items in engine.offloaded_states.parked.values() for p in items) == sorted(storages)
+    engine.reload_states()
+    assert host_parked_bytes() == 0 and acc.memory_allocated() - after >= 0.9 * parked

@@ -12,11 +12,11 @@ import torch
 
 import dscompile
 from dscompile.errors import DSCompileConfigError
-from dscompile.passes.inference_tensor_parallel import check_injection_policy, policy_linears
+from dscompile.passes.inference_tensor_parallel import check_injection_policy, policy_from_linear_names, policy_linears
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # noqa: E402
 
 
 def tiny_bert() -> torch.nn.Module:
@@ -70,3 +70,44 @@ def test_split_that_disagrees_with_the_policy_is_refused() -> None:
         check_injection_policy(model, {BertLayer: ("attention.output.dense",)}, rows)  # names fewer all-reduces than the split makes
     with pytest.raises(DSCompileConfigError, match="injection_policy"):
         check_injection_policy(model, policy, rows - {"bert.encoder.layer.1.output.dense.weight"})
+
+
+def test_policy_tuple_is_the_policy_with_its_layers_found_by_name() -> None:
+    """DeepSpeed's ``injection_policy_tuple``: the all-reduce linears' names without a class (what DeepSpeed's engine
+    fills in from an ``injection_policy`` value); each name's layer is where its matches sit."""
+    from test_inference import tiny
+
+    model = tiny("llama")
+    assert policy_from_linear_names(model, ("self_attn.o_proj", "mlp.down_proj")) == {LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
+    assert policy_from_linear_names(model, ("o_proj", "down_proj")) == {LlamaAttention: ("o_proj",), LlamaMLP: ("down_proj",)}
+    rows = {f"model.layers.{i}.{name}.weight" for i in range(2) for name in ("self_attn.o_proj", "mlp.down_proj")}
+    check_injection_policy(model, policy_from_linear_names(model, ("o_proj", "down_proj")), rows, "injection_policy_tuple")
+    with pytest.raises(DSCompileConfigError, match=r"injection_policy_tuple.*at 'model.layers.0.self_attn'"):
+        check_injection_policy(model, policy_from_linear_names(model, ("o_proj",)), rows | {"model.layers.0.self_attn.k_proj.weight"}, "injection_policy_tuple")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"injection_policy_tuple": ("self_attn.out_proj",)}, r"no linear of LlamaForCausalLM is named like 'self_attn.out_proj'"),
+        ({"injection_policy_tuple": [3]}, "expected linear names"),
+        ({"injection_policy_tuple": ("o_proj",), "injection_policy": {LlamaDecoderLayer: ("self_attn.o_proj",)}}, "given with injection_policy"),
+        ({"injection_policy_tuple": ("o_proj",), "replace_with_kernel_inject": True}, "replace_with_kernel_inject"),
+    ],
+)
+def test_policy_tuples_that_cannot_hold_are_refused_naming_the_key(kwargs: dict, message: str) -> None:
+    from test_inference import tiny
+
+    with pytest.raises(DSCompileConfigError, match=message) as caught:
+        dscompile.init_inference(tiny("llama"), dtype=torch.float32, lower="eager", **kwargs)
+    assert caught.value.key == "injection_policy_tuple"
+
+
+def test_one_rank_accepts_a_policy_tuple_that_names_the_models_linears() -> None:
+    from test_inference import tiny
+
+    model, reference = tiny("llama"), tiny("llama")
+    ids = torch.randint(0, 64, (2, 7))
+    engine = dscompile.init_inference(model, dtype=torch.float32, injection_policy_tuple=("self_attn.o_proj", "mlp.down_proj"), lower="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(engine(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-6)

@@ -73,6 +73,15 @@ def generate_both(rank: int, world: int) -> dict[str, Any]:
         "logit_err": float((torch.stack(got.logits) - torch.stack(ref.logits)).abs().max()),
         "cache_heads": engine._static_generator().cache_for(2, ids.device).layers[0].keys.shape[1],
     }
+    # DeepSpeed's injection_policy_tuple (the all-reduce linears by name): checked against the split, the same tokens
+    single, model = tiny("llama"), tiny("llama")
+    policy_tuple = ("self_attn.o_proj", "mlp.down_proj")
+    tp2 = {"tp_size": 2}
+    engine = dscompile.init_inference(model, dtype=torch.float32, max_out_tokens=32, lower="eager", tensor_parallel=tp2, injection_policy_tuple=policy_tuple)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    with torch.no_grad():
+        out["policy_tuple"] = torch.equal(got, single.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    out["policy_tuple_blocks"] = len(engine.tensor_parallel.split_blocks)
     try:  # a model the pass finds nothing to split in: a clear error
         dscompile.init_inference(torch.nn.Linear(4, 4), dtype=torch.float32, lower="eager", tensor_parallel={"tp_size": 2})(torch.randn(2, 4))
         out["error"] = None
@@ -97,6 +106,7 @@ def test_tp2_generation_matches_single_process() -> None:
             assert r["compiles_after"] == {"forward": 1, "prefill": 2, "decode": 1}, r["compiles_after"]
         u = result["uneven"]
         assert u["same_tokens"] and u["logit_err"] <= 1e-5 and u["cache_heads"] == 2, (rank, u)  # ceil(3 / 2) KV heads per rank
+        assert result["policy_tuple"] and result["policy_tuple_blocks"] == 4, (rank, result["policy_tuple"], result["policy_tuple_blocks"])
         assert "tensor_parallel.tp_size" in result["error"] and "cannot be split across 2 ranks" in result["error"], result["error"]
 
 

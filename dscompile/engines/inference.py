@@ -32,7 +32,13 @@ from torch import nn
 
 from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
 from dscompile.frontend import dscompile_backend
-from dscompile.passes.inference_tensor_parallel import TensorParallelForward, TensorParallelGraphs, TensorParallelStep, policy_linears
+from dscompile.passes.inference_tensor_parallel import (
+    TensorParallelForward,
+    TensorParallelGraphs,
+    TensorParallelStep,
+    policy_from_linear_names,
+    policy_linears,
+)
 from dscompile.planner import plan_inference
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.engine_core import INFERENCE, EngineCore, init_from_launcher, world_info
@@ -112,9 +118,12 @@ class InferenceEngine(nn.Module, EngineCore):
             self.quantized_layers = quantize_model_weights(
                 model, bits, weight.q_groups, weight.q_type == "symmetric", quantize_embeddings=weight.quantize_embeddings
             )
-        if config.injection_policy and tp_size == 1:
-            policy_linears(model, config.injection_policy)  # names the model's layers and linears, or an error naming the key
-            log.info("init_inference: injection_policy has no effect at tp_size 1 (it names the all-reduce linears of a split)")
+        policy, policy_key = config.injection_policy, "injection_policy"
+        if config.injection_policy_tuple:  # the same check, its layers found from the names (an error names the key)
+            policy, policy_key = policy_from_linear_names(model, config.injection_policy_tuple), "injection_policy_tuple"
+        if policy and tp_size == 1:
+            policy_linears(model, policy, policy_key)  # names the model's layers and linears, or an error naming the key
+            log.info("init_inference: %s has no effect at tp_size 1 (it names the all-reduce linears of a split)", policy_key)
         self.module = model
         self.compile_counts = {"forward": 0, "prefill": 0, "decode": 0}
         self.options: dict[str, Any] = {"pipeline": inference_pipeline(config)}
@@ -123,7 +132,7 @@ class InferenceEngine(nn.Module, EngineCore):
         self.tensor_parallel: TensorParallelGraphs | None = None
         if tp_size > 1:
             quant = None if bits is None else (bits, weight.q_groups, weight.q_type == "symmetric", weight.quantize_embeddings)
-            self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant, config.injection_policy)
+            self.tensor_parallel = TensorParallelGraphs(model, tp_size, self._compile_graph, quant, policy, policy_key)
             self.quantized_layers = self.tensor_parallel.quantized_layers  # filled when the first graph splits the model
             self._forward: Callable[..., Any] = TensorParallelForward(self.tensor_parallel)
         else:

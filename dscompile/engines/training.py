@@ -371,7 +371,7 @@ def initialize(
     ready = lr_scheduler if lr_scheduler is not None and hasattr(lr_scheduler, "step") else None
     engine = DSCompileEngine(model, cfg, opt, ready, model_parallel=groups)
     if ready is None:
-        engine.lr_scheduler = _resolve_scheduler(cfg, lr_scheduler, engine.optimizer)
+        engine.install_lr_scheduler(_resolve_scheduler(cfg, lr_scheduler, engine.optimizer))
     opt, scheduler = engine.optimizer, engine.lr_scheduler
     dataloader = _build_dataloader(cfg, training_data, collate_fn, world_size, rank)
     return engine, opt, dataloader, scheduler

@@ -327,7 +327,7 @@ class Trainer(transformers.Trainer):
                 super().create_scheduler(num_training_steps, optimizer=engine.optimizer)
             if getattr(self.lr_scheduler, "optimizer", engine.optimizer) is not engine.optimizer:
                 self.lr_scheduler.optimizer = engine.optimizer  # ZeRO steps the shards: the scheduler sets their rates
-            engine.lr_scheduler = self.lr_scheduler
+            engine.install_lr_scheduler(self.lr_scheduler)
         self.lr_scheduler = _EngineScheduler(engine.lr_scheduler, self.optimizer, logs_step_lr=trainers)
         self._created_lr_scheduler = True
         self.accelerator.backward = _EngineBackward(self.accelerator, engine, self.lr_scheduler)

@@ -4,8 +4,10 @@ Extensions (``runtime/engine_extension.py``) never attach attributes to the engi
 or for the engine, is a field here, so every piece of shared state is declared once, with who writes and who reads
 it. The training core shows the fields users, tests and checkpoints read as read-only properties
 (``engine.zero``, ``engine.compile_target``, ...); writing one of those on the engine raises ``AttributeError``.
-The core's own state (``optimizer``, ``gradients``, ``plan``) changes through its methods (``replace_optimizer``,
-``install_gradients``, ``replan``). ``tests/test_engine_context.py`` holds every extension module to this.
+The core's own state (``optimizer``, ``gradients``, ``plan``, ``lr_scheduler``, the step counters) changes through its
+methods (``replace_optimizer``, ``install_gradients``, ``replan``, ``install_lr_scheduler``, ``restore_counters``).
+``tests/test_engine_context.py`` holds every module to this (extensions, checkpoint loading, ``initialize``, the
+Hugging Face integration): none writes an attribute of the engine.
 """
 
 from __future__ import annotations

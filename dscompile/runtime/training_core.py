@@ -140,6 +140,18 @@ class TrainingCore(EngineCore):
         """An extension's gradient strategy in place of the engine's (``runtime/gradient_strategy.py``)."""
         self.gradients = strategy
 
+    def install_lr_scheduler(self, scheduler: Any) -> None:
+        """The scheduler the engine steps after each optimizer step, set after the engine is built: the config's
+        (``initialize`` builds it over the engine's optimizer, which extensions may have replaced) or a Trainer's."""
+        self.lr_scheduler = scheduler
+
+    def restore_counters(self, global_steps: int, micro_steps: int | None = None, skipped_steps: int = 0) -> None:
+        """The step counters a checkpoint saved; ``micro_steps`` missing (DeepSpeed's and older checkpoints): the global
+        steps times the gradient accumulation."""
+        self.global_steps = int(global_steps)
+        self.micro_steps = int(micro_steps) if micro_steps is not None else self.global_steps * self.gradient_accumulation_steps()
+        self.skipped_steps = int(skipped_steps or 0)
+
     # -- extensions ----------------------------------------------------------------------------
     def configure_extensions(self, config: Any | None = None) -> None:
         """The core's extensions (``EngineCore.configure_extensions``), then the throughput timer learns the batch size
@@ -392,9 +404,7 @@ class TrainingCore(EngineCore):
         for extension in self.extensions:
             if extension.name in saved:
                 extension.load_state_dict(saved[extension.name])
-        self.global_steps = state["global_steps"]
-        self.micro_steps = state.get("micro_steps", 0)
-        self.skipped_steps = state.get("skipped_steps", 0)
+        self.restore_counters(state["global_steps"], state.get("micro_steps", 0), state.get("skipped_steps", 0))
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the full model in the training precision (rank 0), DeepSpeed's ``save_16bit_model``.

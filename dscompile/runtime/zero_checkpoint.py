@@ -293,10 +293,7 @@ def _restore_counters(engine: Any, state: dict[str, Any] | FullState, load_lr_sc
             engine.lr_scheduler.load_state_dict(scheduler)
     if scaler is not None and hasattr(engine.loss_scaler, "load_state_dict"):
         engine.loss_scaler.load_state_dict(_from_deepspeed_scaler(scaler["deepspeed"]) if "deepspeed" in scaler else scaler)
-    engine.global_steps = get("global_steps", 0)
-    micro = get("micro_steps")
-    engine.micro_steps = micro if micro is not None else engine.global_steps * engine.gradient_accumulation_steps()
-    engine.skipped_steps = get("skipped_steps", 0) or 0
+    engine.restore_counters(get("global_steps", 0), get("micro_steps"), get("skipped_steps", 0))
     saved = get("extensions") or {}
     for extension in getattr(engine, "extensions", []):  # the loss scaler is restored above, also from DeepSpeed's format
         if extension.name in saved and extension.name != "mixed_precision":

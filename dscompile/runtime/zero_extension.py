@@ -34,6 +34,7 @@ from dscompile.runtime.engine_core import EngineExtension
 from dscompile.runtime.gradient_strategy import GradientStrategy, scale_gradients_to_norm
 from dscompile.runtime.optimizers import DeepSpeedCPUAdam, FusedAdam
 from dscompile.runtime.training_core import TrainingCore, params_or_error
+from dscompile.runtime.zero_leaf import apply_leaf_module_config
 from dscompile.runtime.zero_shard import ZeroModule, ZeroPartition, explain_collective_failure, model_state_tensors
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -232,6 +233,7 @@ class ZeroExtension(EngineExtension):
         zc = self.zc
         params = params_or_error(engine.module, needs_training=True)
         threshold = zc.stage3_param_persistence_threshold if zc.stage == 3 else 0
+        apply_leaf_module_config(engine.module, zc.leaf_modules)  # as DeepSpeed, at every stage; ZeRO-3 gathers each leaf as a unit
         groups = engine.context.process_groups  # ZeRO shards over the data-parallel group only
         self.partition = ZeroPartition(
             engine.module,

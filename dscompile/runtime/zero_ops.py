@@ -6,8 +6,10 @@ collectives (``_c10d_functional.*`` + ``wait_tensor``) that later passes bucket 
 Run eagerly (or when no pass rewrote them) they do the same communication with blocking
 ``torch.distributed`` calls, so a sharded model is correct with or without the passes.
 
-- ``zero_gather(shard, shape, numel, group)``: the full parameter from every rank's flat,
-  padded shard (ZeRO-3). Backward: ``zero_reduce_scatter`` of its gradient.
+- ``zero_gather(shard, shape, numel, group, leaf="")``: the full parameter from every rank's flat,
+  padded shard (ZeRO-3). Backward: ``zero_reduce_scatter`` of its gradient. ``leaf`` names the ZeRO-3
+  leaf module the parameter belongs to (``runtime/zero_leaf.py``): the passes gather a leaf's
+  parameters together; it changes no value.
 - ``zero_use(shard, full, group)``: a parameter whose full copy stays on every rank (ZeRO-2,
   and small ZeRO-3 parameters kept persistent); the value is ``full``, but the gradient
   flows to ``shard`` through a reduce-scatter.
@@ -42,7 +44,7 @@ def group_name_of(group: dist.ProcessGroup | None) -> str:
 
 
 @torch.library.custom_op("dscompile::zero_gather", mutates_args=())
-def zero_gather(shard: torch.Tensor, shape: list[int], numel: int, group: str) -> torch.Tensor:
+def zero_gather(shard: torch.Tensor, shape: list[int], numel: int, group: str, leaf: str = "") -> torch.Tensor:
     if not group:
         return shard[:numel].view(shape).clone()
     pg = resolve_group(group)
@@ -53,7 +55,7 @@ def zero_gather(shard: torch.Tensor, shape: list[int], numel: int, group: str) -
 
 
 @zero_gather.register_fake
-def _zero_gather_fake(shard: torch.Tensor, shape: list[int], numel: int, group: str) -> torch.Tensor:
+def _zero_gather_fake(shard: torch.Tensor, shape: list[int], numel: int, group: str, leaf: str = "") -> torch.Tensor:
     return shard.new_empty(shape)
 
 
@@ -93,7 +95,7 @@ def _gather_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outpu
 
 
 def _gather_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
-    return zero_reduce_scatter(grad, ctx.shard_numel, ctx.group), None, None, None
+    return zero_reduce_scatter(grad, ctx.shard_numel, ctx.group), None, None, None, None
 
 
 def _use_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:

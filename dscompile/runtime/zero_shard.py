@@ -32,6 +32,7 @@ from torch import nn
 from dscompile.errors import DSCompileConfigError, DSCompileError
 from dscompile.runtime import zero_ops
 from dscompile.runtime.devices import collective_device
+from dscompile.runtime.zero_leaf import leaf_of_parameters
 from dscompile.runtime.zero_ops import GLOO_BROADCASTS_ABOVE, broadcast_gather_async, moves_like_gloo
 
 log = logging.getLogger("dscompile.zero")
@@ -55,6 +56,7 @@ class ParamLayout:
     shard_numel: int
     persistent: bool
     aliases: list[str] = field(default_factory=list)
+    leaf: str = ""  # the ZeRO-3 leaf module it belongs to (``runtime/zero_leaf.py``): gathered with that module's others
 
     @property
     def padded_numel(self) -> int:
@@ -68,6 +70,7 @@ class ParamLayout:
             "shard_numel": self.shard_numel,
             "persistent": self.persistent,
             "aliases": list(self.aliases),
+            "leaf": self.leaf,
         }
 
 
@@ -290,6 +293,7 @@ class ZeroPartition:
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        leaves = leaf_of_parameters(module) if stage == 3 else {}
         if not named:
             raise DSCompileError("ZeRO: the model has no trainable parameters to partition")
         if check_consistency and self.world > 1:
@@ -306,7 +310,10 @@ class ZeroPartition:
                 budget = model_persistence_threshold if model_persistence_threshold is not None else float("inf")
                 persistent = kept + numel <= budget
                 kept += numel if persistent else 0
-            layout = ParamLayout(name, shape, numel, shard_numel(numel, self.world), persistent, aliases[id(p)])
+            leaf_name, leaf_module = leaves.get(name, ("", None))
+            layout = ParamLayout(name, shape, numel, shard_numel(numel, self.world), persistent, aliases[id(p)], leaf_name if not persistent else "")
+            if leaf_module is not None:
+                p.ds_z3_leaf_module = leaf_module  # type: ignore[attr-defined]  # DeepSpeed's attribute (z3_leaf_parameter)
             self.layouts.append(layout)
             self.full_params.append(p)
             shards.append(initial_shard(p, self.rank, self.world, group))  # adopts zero.Init's shard
@@ -718,7 +725,7 @@ class ZeroModule(nn.Module):
         self.module = module
         self.zero_shards = nn.ParameterList(partition.shards)
         object.__setattr__(self, "partition", partition)
-        self._plan = [(layout.name, layout.persistent, list(layout.shape), layout.numel) for layout in partition.layouts]
+        self._plan = [(layout.name, layout.persistent, list(layout.shape), layout.numel, layout.leaf) for layout in partition.layouts]
         self._group = partition.group_name
         self.collectives_up_front = False
         # ZeRO-3 parameter offload (``passes/offload.py``): shard index -> parameter store id; those shards
@@ -755,14 +762,14 @@ class ZeroModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors: dict[str, torch.Tensor] = {}
-        for i, ((name, persistent, shape, numel), shard) in enumerate(zip(self._plan, self.zero_shards)):
+        for i, ((name, persistent, shape, numel, leaf), shard) in enumerate(zip(self._plan, self.zero_shards)):
             if persistent:
                 owner, leaf = _owner(self.module, name)
                 tensors[name] = torch.ops.dscompile.zero_use(shard, getattr(owner, leaf), self._group)
             else:
                 store = self.offloaded_shards.get(i)
                 source = shard if store is None else torch.ops.dscompile.zero_param_load(shard, store, i)
-                tensors[name] = torch.ops.dscompile.zero_gather(source, shape, numel, self._group)
+                tensors[name] = torch.ops.dscompile.zero_gather(source, shape, numel, self._group, leaf)
         if self.collectives_up_front:
             torch._dynamo.graph_break()
         return torch.func.functional_call(self.module, tensors, args, kwargs)

@@ -1,4 +1,5 @@
-"""``deepspeed.utils``: ``RepeatingLoader``, ``logger``, ``log_dist``, ``OnDevice`` and ``groups`` for DeepSpeed scripts."""
+"""``deepspeed.utils``: ``RepeatingLoader``, ``logger``, ``log_dist``, ``OnDevice``, ``groups`` and the ZeRO-3 leaf-module
+helpers (``set_z3_leaf_modules``, ...) for DeepSpeed scripts."""
 
 from __future__ import annotations
 
@@ -8,9 +9,35 @@ from collections.abc import Iterable
 from dscompile import comm
 from dscompile.runtime.dataloader import RepeatingLoader, set_random_seed
 from dscompile.runtime.devices import OnDevice
+from dscompile.runtime.zero_leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 from dscompile.utils import groups, zero_to_fp32
 
-__all__ = ["OnDevice", "RepeatingLoader", "groups", "log_dist", "logger", "set_random_seed", "zero_to_fp32"]
+__all__ = [
+    "OnDevice",
+    "RepeatingLoader",
+    "get_z3_leaf_modules",
+    "groups",
+    "log_dist",
+    "logger",
+    "set_random_seed",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+    "zero_to_fp32",
+]
 
 logger = logging.getLogger("dscompile")
 

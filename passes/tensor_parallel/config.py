@@ -76,7 +76,10 @@ class TensorParallelConfig:
 
 
 _REFUSED_WHEN_SET = {
-    "injection_policy_tuple": "DeepSpeed's injection policies (the pass finds the blocks from the graph)",
+    "injection_policy_tuple": (
+        "a training injection_policy_tuple (DeepSpeed's training AutoTP overwrites it with its own parse; the pass finds the blocks "
+        "from the graph; init_inference takes it, checked against the split)"
+    ),
     "preset_model": "DeepSpeed's per-architecture presets (the pass finds the blocks from the graph)",
     "keep_module_on_host": "keeping the partitioned module on the host",
     "kernel_inject": "DeepSpeed's inference kernels",

@@ -156,7 +156,7 @@ class InferenceConfig:
     training_mp_size: int = unbuilt(1, "loading checkpoints trained with model parallelism")
     replace_method: str = unbuilt("auto", "replace_method (deprecated in DeepSpeed; remove it)")
     injection_policy: Any = None  # {layer class: linear names}: checked, see validate and passes/inference_tensor_parallel.py
-    injection_policy_tuple: Any = unbuilt(None, "injection policies (dscompile finds the fusions in the captured graph; remove it)")
+    injection_policy_tuple: Any = None  # the all-reduce linears' names, no class: injection_policy's check (engines/inference.py)
     config: Any = unbuilt(None, "a model config for kernel injection (dscompile reads the captured graph)")
     max_out_tokens: int = 1024
     min_out_tokens: int = 1
@@ -185,8 +185,14 @@ class InferenceConfig:
         if not 1 <= self.min_out_tokens <= self.max_out_tokens:
             raise DSCompileConfigError("min_out_tokens", f"must be between 1 and max_out_tokens ({self.max_out_tokens}), got {self.min_out_tokens}")
         self.injection_policy = parse_injection_policy(self.injection_policy)
-        if self.injection_policy and self.replace_with_kernel_inject:
-            raise DSCompileConfigError("injection_policy", "given with replace_with_kernel_inject (DeepSpeed uses one or the other)", "drop one of them")
+        self.injection_policy_tuple = parse_linear_names(self.injection_policy_tuple)
+        if self.injection_policy and self.injection_policy_tuple:
+            raise DSCompileConfigError(
+                "injection_policy_tuple", "given with injection_policy (DeepSpeed fills it in from injection_policy's values)", "drop injection_policy_tuple"
+            )
+        for key in ("injection_policy", "injection_policy_tuple"):
+            if getattr(self, key) and self.replace_with_kernel_inject:
+                raise DSCompileConfigError(key, "given with replace_with_kernel_inject (DeepSpeed uses one or the other)", "drop one of them")
         if not self.tensor_parallel.enabled and self.tensor_parallel.tp_size != 1:
             raise DSCompileConfigError("tensor_parallel.tp_size", "given with tensor_parallel.enabled false", "drop one of them")
 
@@ -209,6 +215,19 @@ def parse_injection_policy(value: Any) -> dict[type, tuple[str, ...]] | None:
             raise DSCompileConfigError("injection_policy", f"{cls.__name__}: expected linear names (strings), got {value[cls]!r}")
         policy[cls] = names
     return policy
+
+
+def parse_linear_names(value: Any) -> tuple[str, ...] | None:
+    """DeepSpeed's ``injection_policy_tuple``: the names of the linears whose outputs are all-reduced (one value of
+    ``injection_policy``, with no layer class); one string is one name."""
+    if value is None:
+        return None
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise DSCompileConfigError(
+            "injection_policy_tuple", f"expected linear names (a tuple of strings), got {value!r}", "e.g. ('self_attn.o_proj', 'mlp.down_proj')"
+        )
+    return tuple(names)
 
 
 def parse_dtype(value: Any) -> torch.dtype:

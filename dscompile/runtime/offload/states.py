@@ -15,6 +15,12 @@ DeepSpeed's flat buffers):
 - ``lp_grads``: gradients held by shards and full copies (none between steps, unless accumulating).
 - ``contiguous_grad_buffer``: DeepSpeed's reduction bucket; dscompile keeps no such buffer between
   steps (its buckets are transient), so there is nothing to move.
+
+On CPU the device is the host: a state is parked by keeping its storage aside (no copy: there is nowhere else to
+put it), and the bytes parked so count as host memory, not the device's: ``get_accelerator().memory_allocated()``
+on CPU (the process's resident set, as DeepSpeed's CPU accelerator reports it) leaves them out
+(``host_parked_bytes``), so a script that checks the device's memory drops after ``offload_states`` and comes back
+after ``reload_states`` (DeepSpeedExamples' ``training/offload_states``) sees on CPU what it sees on a GPU.
 """
 
 from __future__ import annotations
@@ -86,8 +92,23 @@ def _distinct(tensors: Iterable[torch.Tensor], seen: set[int]) -> list[torch.Ten
     return out
 
 
+_PARKED_FROM_HOST_DEVICE = [0]  # bytes parked by offload_states from tensors whose device is the host (CPU), this process
+
+
+def host_parked_bytes() -> int:
+    """Bytes of CPU-device states ``offload_states`` holds parked on the host now (the CPU accelerator's
+    ``memory_allocated`` leaves them out: they are the host's, as they would be on a GPU)."""
+    return _PARKED_FROM_HOST_DEVICE[0]
+
+
+def _cpu_bytes(items: Iterable[_Parked]) -> int:
+    return sum(p.host.numel() * p.host.element_size() for p in items if p.device.type == "cpu")
+
+
 def _host_copy(t: torch.Tensor, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
-    pin = pin_memory and t.device.type != "cpu"  # pinning serves device-to-host copies (and needs an accelerator)
+    if t.device.type == "cpu":
+        return t.detach()  # the device is the host: keep the storage aside (the tensor itself is emptied below)
+    pin = pin_memory  # pinning serves device-to-host copies
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
     host.copy_(t.detach(), non_blocking=non_blocking and pin)
     return host
@@ -119,7 +140,9 @@ def offload(
     seen = {id(p.tensor) for items in result.parked.values() for p in items}
     for kind in kinds:
         for t in _distinct(_states_of(kind, engine.zero, engine.optimizer), seen):
-            result.parked.setdefault(kind, []).append(_Parked(t, _host_copy(t, pin_memory, non_blocking), t.device))
+            parked = _Parked(t, _host_copy(t, pin_memory, non_blocking), t.device)
+            result.parked.setdefault(kind, []).append(parked)
+            _PARKED_FROM_HOST_DEVICE[0] += _cpu_bytes([parked])
     if non_blocking and any(p.device.type != "cpu" for items in result.parked.values() for p in items):
         torch.accelerator.synchronize()  # the copies must land before the device storage goes
     with torch.no_grad():
@@ -137,3 +160,4 @@ def reload(current: OffloadedStates, include: Iterable[Any] | None, non_blocking
         for kind in kinds:
             for p in current.parked.pop(kind, []):
                 p.tensor.data = p.host.to(p.device, non_blocking=non_blocking)
+                _PARKED_FROM_HOST_DEVICE[0] -= _cpu_bytes([p])
