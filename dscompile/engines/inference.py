@@ -30,9 +30,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.errors import DSCompileConfigError
 from dscompile.frontend import dscompile_backend
-from dscompile.passes.inference_tensor_parallel import TensorParallelForward, TensorParallelGraphs, TensorParallelStep, policy_linears
+from dscompile.passes.inference_tensor_parallel import (
+    TensorParallelForward,
+    TensorParallelGraphs,
+    TensorParallelSeq2Seq,
+    TensorParallelStep,
+    policy_linears,
+)
 from dscompile.planner import plan_inference
 from dscompile.runtime.comm_stats import collecting
 from dscompile.runtime.engine_core import INFERENCE, EngineCore, init_from_launcher, world_info
@@ -130,6 +136,7 @@ class InferenceEngine(nn.Module, EngineCore):
             self._forward = torch.compile(model, backend=self._backend("forward"))
         self._generator: StaticCacheGenerator | None = None
         self._seq2seq_forward: Callable[..., Any] | None = None
+        self._seq2seq_split: TensorParallelSeq2Seq | None = None
         self.configure_extensions()
 
     def _compile_graph(self, gm: torch.fx.GraphModule, name: str) -> Callable[..., Any]:
@@ -155,6 +162,7 @@ class InferenceEngine(nn.Module, EngineCore):
         self._forward = _Destroyed()  # a module either way: the compiled forward is a child module of the engine
         self._generator = None
         self._seq2seq_forward = None
+        self._seq2seq_split = None
         self.tensor_parallel = None
 
     def model_bytes(self) -> int:
@@ -246,9 +254,7 @@ class InferenceEngine(nn.Module, EngineCore):
         call, for its compiled version (the engine's pipeline; it recompiles once for the growing cache, then runs with
         dynamic shapes), so encoder and decoder steps run as dscompile's graphs and the tokens are Hugging Face's."""
         if self.tensor_parallel is not None:
-            raise DSCompileNotSupportedError(
-                "tensor_parallel.tp_size", "generate of an encoder-decoder model under tensor parallelism (decoder-only models only)"
-            )
+            return self._generate_seq2seq_split(input_ids, attention_mask, **kwargs)
         if self._seq2seq_forward is None:
             self._seq2seq_forward = torch.compile(self.module.forward, backend=self._backend("decode"))
         own = self.module.__dict__.get("forward")  # a forward set on the instance (e.g. accelerate's hooks) comes back
@@ -261,6 +267,32 @@ class InferenceEngine(nn.Module, EngineCore):
                 del self.module.forward  # the class's forward again
             else:
                 self.module.forward = own
+
+
+    def _generate_seq2seq_split(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
+        """``_generate_seq2seq`` under tensor parallelism: Hugging Face's ``generate`` without a KV cache, the encoder's
+        and the model's ``forward`` swapped for the split graphs (``TensorParallelSeq2Seq``): one encoder graph per
+        prompt shape, one decoder graph per generation length (the steps right-padded to it)."""
+        assert self.tensor_parallel is not None
+        if self._seq2seq_split is None:
+            self._seq2seq_split = TensorParallelSeq2Seq(self.tensor_parallel)
+        split = self._seq2seq_split
+        gen = getattr(self.module, "generation_config", None)
+        start = kwargs["decoder_input_ids"].shape[-1] if kwargs.get("decoder_input_ids") is not None else 1
+        longest = kwargs.get("max_length") or getattr(gen, "max_length", None) or 20
+        split.length = kwargs["max_new_tokens"] + start - 1 if kwargs.get("max_new_tokens") is not None else longest - 1
+        encoder = self.module.get_encoder()
+        owns = {m: m.__dict__.get("forward") for m in (self.module, encoder)}  # forwards set on the instances come back
+        self.module.forward, encoder.forward = split.forward, split.encoder
+        try:
+            with torch.no_grad(), collecting(self.comm_stats):
+                return self.module.generate(input_ids=input_ids, attention_mask=attention_mask, **{**kwargs, "use_cache": False})
+        finally:
+            for module, own in owns.items():
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own
 
 
 def init_inference(model: nn.Module, config: dict[str, Any] | None = None, **kwargs: Any) -> InferenceEngine:
