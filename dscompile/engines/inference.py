@@ -11,7 +11,9 @@ through the inference fusion passes instead of DeepSpeed's per-architecture kern
 (``FUSION_PASSES``: shared-input matmuls, rotary embedding, attention over the KV cache, epilogues); with ``quant`` the weights are stored packed
 (``dscompile.runtime.inference.weights``). Under ``tensor_parallel`` both compose: the fusion passes run on
 each rank's split graph, and the layers are packed at the first split, each rank its slices
-(``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call.
+(``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call. An encoder-decoder
+model (T5, BART) generates through Hugging Face's ``generate`` over the compiled forward, or under ``tensor_parallel``
+over split encoder and decoder graphs (``TensorParallelSeq2Seq``).
 
 The engine stands on the engine core (``dscompile.runtime.engine_core``), as the training engines do: its
 ``plan`` is the planner's (``plan_inference``: ``tp_size`` ranks of tensor parallelism, data parallelism over the
@@ -252,7 +254,8 @@ class InferenceEngine(nn.Module, EngineCore):
 
         The static-cache generator is built for decoder-only models; here the model's ``forward`` is swapped, for the
         call, for its compiled version (the engine's pipeline; it recompiles once for the growing cache, then runs with
-        dynamic shapes), so encoder and decoder steps run as dscompile's graphs and the tokens are Hugging Face's."""
+        dynamic shapes), so encoder and decoder steps run as dscompile's graphs and the tokens are Hugging Face's.
+        Under tensor parallelism: ``_generate_seq2seq_split``."""
         if self.tensor_parallel is not None:
             return self._generate_seq2seq_split(input_ids, attention_mask, **kwargs)
         if self._seq2seq_forward is None:
@@ -267,7 +270,6 @@ class InferenceEngine(nn.Module, EngineCore):
                 del self.module.forward  # the class's forward again
             else:
                 self.module.forward = own
-
 
     def _generate_seq2seq_split(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
         """``_generate_seq2seq`` under tensor parallelism: Hugging Face's ``generate`` without a KV cache, the encoder's
