@@ -164,11 +164,16 @@ def policy_linears(model: nn.Module, policy: dict[type, tuple[str, ...]], key: s
     return found
 
 
-def check_injection_policy(model: nn.Module, policy: dict[type, tuple[str, ...]], rows: set[str], key: str = "injection_policy") -> None:
+def check_injection_policy(
+    model: nn.Module, policy: dict[type, tuple[str, ...]], rows: set[str], read: set[str] | None = None, key: str = "injection_policy"
+) -> None:
     """DeepSpeed's ``injection_policy`` says which linears of a layer end in an all-reduce (the row-parallel ones);
-    dscompile finds them in the graph. Accepted when the split agrees inside every layer the policy covers;
+    dscompile finds them in the graph. Accepted when the split agrees inside every layer the policy covers (of
+    those whose parameters ``read`` holds, when given: an encoder graph says nothing of the decoder's layers);
     otherwise an error naming ``key``, never a split other than the one asked for."""
     for layer_name, named in policy_linears(model, policy, key).items():
+        if read is not None and not any(n.startswith(f"{layer_name}.") for n in read):
+            continue
         inside = {r for r in rows if r.startswith(f"{layer_name}.")}
         if inside != named:
             raise DSCompileConfigError(
@@ -204,11 +209,22 @@ class TensorParallelGraphs:
                     dist.broadcast(tensor, src=0)
         self.stand_in = stand_in(model)
         self.slices: dict[str, SliceSpec] | None = None  # the model's parameter slices (fixed by the first capture)
-        self.split_blocks: list[dict[str, Any]] = []
+        self.split_blocks: list[dict[str, Any]] = []  # the row and column weights of each block split so far
+        self.seen: set[str] = set()  # the model's parameters the graphs captured so far read
         self.quant = quant  # (bits, q_groups, symmetric, embeddings): the layers are packed at the first split
         if quant is not None:
             check_q_groups(model, quant[1])
         self.quantized_layers: dict[str, int] = {}
+
+    def _rows(self) -> set[str]:
+        return {b["row"] for b in self.split_blocks}
+
+    def _slice(self, params: dict[str, SliceSpec], packed: set[str]) -> None:
+        """The model's parameters in ``params`` keep this rank's slice (in place; the packed ones are packed already)."""
+        for pname, spec in params.items():
+            if pname not in packed:
+                p = self.model.get_parameter(pname)
+                p.data = spec.take(p.data, self.groups.tp_rank, self.tp_size).clone()
 
     @property
     def group_name(self) -> str:
@@ -239,6 +255,8 @@ class TensorParallelGraphs:
             )
         slices = rewrite(gm, blocks, self.group_name, self.tp_size, self.groups.tp_rank)
         params = {n[len(prefix) :]: s for n, s in slices.items() if n.startswith(prefix)}
+        targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and n.users}  # the module holds every parameter, used or not
+        read = {t[len(prefix) :] for t in targets if t.startswith(prefix)}
         if self.slices is None:
             with torch.no_grad():
                 packed: set[str] = set()
@@ -248,19 +266,28 @@ class TensorParallelGraphs:
                         quantize_model_weights(self.model, bits, q_groups, symmetric, params, self.groups.tp_rank, self.tp_size, quantize_embeddings=embeddings)
                     )
                     packed = set(packed_storage(self.model))
-                for pname, spec in params.items():
-                    if pname in packed:
-                        continue
-                    p = self.model.get_parameter(pname)
-                    p.data = spec.take(p.data, self.groups.tp_rank, self.tp_size).clone()
+                self._slice(params, packed)
             self.slices = params
-            self.split_blocks = [{"row": b.row.weight, "columns": [c.weight for c in b.columns]} for b in blocks]
-            if self.injection_policy:
-                check_injection_policy(
-                    self.model, self.injection_policy, {b["row"][len(prefix) :] for b in self.split_blocks}, self.injection_policy_key
+        else:
+            seen = read & self.seen  # parameters an earlier graph read: split as it split them
+            if {n: s for n, s in params.items() if n in seen} != {n: s for n, s in self.slices.items() if n in seen}:
+                changed = sorted(n for n in seen if params.get(n) != self.slices.get(n))
+                raise RuntimeError(f"the {name} graph splits the model differently from the first graph: {changed}")
+            fresh = {n: s for n, s in params.items() if n not in seen}  # an encoder-decoder's decoder after its encoder
+            if fresh and self.quant is not None:
+                raise DSCompileNotSupportedError(
+                    "quant", f"weight-only quantization under tensor parallelism of parameters the first graph does not read ({sorted(fresh)[:3]})"
                 )
-        elif params != self.slices:
-            raise RuntimeError(f"the {name} graph splits the model differently from the first graph: {sorted(set(params) ^ set(self.slices))}")
+            with torch.no_grad():
+                self._slice(fresh, set())
+            self.slices = {**self.slices, **fresh}
+        self.seen |= read
+        rows = self._rows()
+        for b in blocks:
+            if b.row.weight[len(prefix) :] not in rows:  # a block of another graph's than the first (a decoder's after its encoder's)
+                self.split_blocks.append({"row": b.row.weight[len(prefix) :], "columns": [c.weight[len(prefix) :] for c in b.columns]})
+        if self.injection_policy:
+            check_injection_policy(self.model, self.injection_policy, self._rows(), read, self.injection_policy_key)
         if self.quant is not None:
             use_packed_weights(gm, prefix, self.model)
         for pname, _ in list(gm.named_parameters(remove_duplicate=False)):
@@ -399,3 +426,100 @@ class TensorParallelForward:
         fn, output_type = entry
         logits = fn(*args, **kwargs)
         return logits if output_type is None else output_type(logits=logits)
+
+
+class EncoderModule(nn.Module):
+    """An encoder-decoder model's encoder (``get_encoder()``), returning its last hidden state."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+class DecoderModule(nn.Module):
+    """An encoder-decoder model's forward over the whole decoder sequence (no cache), from the encoder's output."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, decoder_input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        from transformers.modeling_outputs import BaseModelOutput  # the model is a transformers model
+
+        encoded = BaseModelOutput(last_hidden_state=encoder_hidden_states)
+        return self.model(decoder_input_ids=decoder_input_ids, encoder_outputs=encoded, attention_mask=attention_mask, use_cache=False).logits
+
+
+# what Hugging Face's generate passes a step that the split step reads as it is: no cache, the default positions, plain outputs
+_STEP_DEFAULTS = {"use_cache": (False, None), "past_key_values": (None,), "output_attentions": (False, None), "output_hidden_states": (False, None)}
+
+
+class TensorParallelSeq2Seq:
+    """Hugging Face's ``generate`` of an encoder-decoder model (T5, BART) under TP: the encoder's and the model's
+    ``forward`` it calls, as split graphs.
+
+    The encoder runs once per prompt shape. The decoder steps run without a KV cache, over the decoder tokens so far
+    right-padded to ``length`` (set by the engine to the generation's longest decoder sequence): the decoder is causal,
+    so the logits of the real tokens are those of the unpadded sequence, and one decoder graph serves every step
+    (the captured graphs have static shapes; a growing cache would capture one per token)."""
+
+    def __init__(self, graphs: TensorParallelGraphs) -> None:
+        self.graphs = graphs
+        self.length = 1
+        self._compiled: dict[tuple, Callable[..., Any]] = {}
+
+    def _graph(self, kind: str, args: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+        key = (kind, *((tuple(t.shape), t.dtype) for t in args))
+        fn = self._compiled.get(key)
+        if fn is None:
+            wrapper = EncoderModule(self.graphs.stand_in) if kind == "encoder" else DecoderModule(self.graphs.stand_in)
+            fn = self._compiled[key] = self.graphs.split(wrapper, "model.", args, {}, "prefill" if kind == "encoder" else "decode")
+        return fn
+
+    def encoder(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        """The encoder's ``forward`` as ``generate`` calls it: the last hidden state of the split encoder graph."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        _check_step_arguments(kwargs, {"return_dict": (True, None)})
+        if input_ids is None:
+            raise TypeError("generate of an encoder-decoder model under tensor parallelism takes input_ids (not inputs_embeds)")
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        self.graphs.broadcast([input_ids, mask])
+        return BaseModelOutput(last_hidden_state=self._graph("encoder", (input_ids, mask))(input_ids, mask))
+
+    def forward(
+        self, decoder_input_ids: torch.Tensor | None = None, encoder_outputs: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        """The model's ``forward`` as ``generate`` calls it for a step: the logits of the decoder tokens so far."""
+        from transformers.modeling_outputs import Seq2SeqLMOutput
+
+        mask = kwargs.pop("decoder_attention_mask", None)
+        if mask is not None and not bool(mask.all()):
+            raise TypeError("generate of an encoder-decoder model under tensor parallelism takes no decoder_attention_mask with padding")
+        kwargs.pop("cache_position", None)  # the default positions: no cache
+        kwargs.pop("return_dict", None)
+        _check_step_arguments(kwargs, {})
+        if decoder_input_ids is None or encoder_outputs is None:
+            raise TypeError("under tensor parallelism the engine's encoder-decoder steps take decoder_input_ids and encoder_outputs")
+        hidden = encoder_outputs[0]
+        mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device) if attention_mask is None else attention_mask
+        batch, steps = decoder_input_ids.shape
+        self.length = max(self.length, steps)
+        padded = decoder_input_ids.new_zeros(batch, self.length)  # any token: the causal decoder's real positions never read them
+        padded[:, :steps] = decoder_input_ids
+        self.graphs.broadcast([padded, hidden, mask])
+        logits = self._graph("decoder", (padded, hidden, mask))(padded, hidden, mask)
+        return Seq2SeqLMOutput(logits=logits[:, :steps])
+
+
+def _check_step_arguments(kwargs: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> None:
+    """Every argument ``generate`` passes a split step is one it reads as the model would: else a clear error."""
+    for key, value in kwargs.items():
+        accepted = {**_STEP_DEFAULTS, **allowed}.get(key)
+        if accepted is None or not any(value is a or (a is not None and value == a) for a in accepted):
+            raise TypeError(
+                f"generate of an encoder-decoder model under tensor parallelism does not take {key}={value!r} (no cache, no attentions or hidden states)"
+            )

@@ -139,14 +139,17 @@ def t5_reference(model_dir: Path, text: str) -> list[list[int]]:
     return model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=8, do_sample=False).tolist()
 
 
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name, task", [("t5", "text2text"), ("t5-base", "translation")])
-def test_t5_generate(models, workdir, name, task):
+def test_t5_generate(models, workdir, name, task, world):
     """test-t5.py / test-t5-base.py on one rank: engine.generate of an encoder-decoder model (Hugging Face's loop
-    over the compiled forward) gives Hugging Face's greedy tokens, and DeepSpeed's where installed."""
-    result = run(workdir, "t5_generation.py", 1, "--model", str(models / name), "--task", task)
+    over the compiled forward) gives Hugging Face's greedy tokens, and DeepSpeed's where installed. On two
+    (``mp_size 2``): the split encoder and decoder graphs, their all-reduces after exactly the ``injection_policy``'s
+    linears (``SelfAttention.o``, ``EncDecAttention.o``, ``DenseReluDense.wo``), give the same tokens."""
+    result = run(workdir, "t5_generation.py", world, "--model", str(models / name), "--task", task)
     text = "Is this review positive or negative? Review: this is the best cast iron skillet you will ever buy"
     if task == "translation":
         text = "translate English to French: The quick brown fox jumps over the lazy dog."
     assert result["ids"] == t5_reference(models / name, text)
-    if HAVE_DEEPSPEED:
+    if HAVE_DEEPSPEED and world == 1:  # DeepSpeed's AutoTP all-reduce crashes on CPU at 2
         assert result["ids"] == run(workdir, "t5_generation.py", 1, "--model", str(models / name), "--task", task, framework="deepspeed")["ids"]

@@ -81,9 +81,9 @@ def test_policy_tuple_is_the_policy_with_its_layers_found_by_name() -> None:
     assert policy_from_linear_names(model, ("self_attn.o_proj", "mlp.down_proj")) == {LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
     assert policy_from_linear_names(model, ("o_proj", "down_proj")) == {LlamaAttention: ("o_proj",), LlamaMLP: ("down_proj",)}
     rows = {f"model.layers.{i}.{name}.weight" for i in range(2) for name in ("self_attn.o_proj", "mlp.down_proj")}
-    check_injection_policy(model, policy_from_linear_names(model, ("o_proj", "down_proj")), rows, "injection_policy_tuple")
+    check_injection_policy(model, policy_from_linear_names(model, ("o_proj", "down_proj")), rows, key="injection_policy_tuple")
     with pytest.raises(DSCompileConfigError, match=r"injection_policy_tuple.*at 'model.layers.0.self_attn'"):
-        check_injection_policy(model, policy_from_linear_names(model, ("o_proj",)), rows | {"model.layers.0.self_attn.k_proj.weight"}, "injection_policy_tuple")
+        check_injection_policy(model, policy_from_linear_names(model, ("o_proj",)), rows | {"model.layers.0.self_attn.k_proj.weight"}, key="injection_policy_tuple")
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,9 @@ TP tests compile the same split graphs under Inductor).
 With ``quant`` (int8 and int4 weight-only, HF Llama and GPT-2) and with ``replace_with_kernel_inject``, TP=2 is
 compared with the same settings in one process: the same tokens, each rank's dequantized weights the
 single-process ones cut, the split layers' bytes halved, the fused matmuls in each rank's graphs.
+
+Encoder-decoder models (T5, BART) generate through Hugging Face's ``generate`` over the split encoder and decoder
+graphs: the tokens and logits of Hugging Face's eager ``generate`` on the unsplit model.
 """
 
 from __future__ import annotations
@@ -257,3 +260,60 @@ def test_tp2_quantized_and_kernel_inject_match_single_process() -> None:
             assert graph["stacked_rows"] == [(32, 32), (64, 32)] * 2, (name, graph)
             assert graph["regions"] == ["bias_activation"] * 2 + ["residual_norm"] * 4, (name, graph)
             assert (graph["rotary"], graph["cache_attention"]) == (4, 2), (name, graph)  # Q and K per layer; one cache attention per layer
+
+
+def tiny_seq2seq(arch: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "t5":  # one layer each: the relative position bias is the first layer's
+        config = transformers.T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0)
+        return transformers.T5ForConditionalGeneration(config).eval()
+    config = transformers.BartConfig(
+        vocab_size=40, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config).eval()
+
+
+def seq2seq_both(rank: int, world: int) -> dict[str, Any]:
+    import dscompile
+
+    out: dict[str, Any] = {}
+    ids = torch.randint(3, 40, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a padded row: the encoder's mask reaches the split graphs
+    # no early EOS from random weights: every step is compared, tokens and logits
+    args = {"max_new_tokens": 8, "min_new_tokens": 8, "output_logits": True, "return_dict_in_generate": True}
+    for arch in ("t5", "bart"):
+        reference, model = tiny_seq2seq(arch), tiny_seq2seq(arch)
+        with torch.no_grad():
+            expected = reference.generate(input_ids=ids, attention_mask=mask, do_sample=False, **args)
+        k_proj = "decoder.block.0.layer.1.EncDecAttention.k" if arch == "t5" else "model.decoder.layers.0.encoder_attn.k_proj"
+        full = tuple(model.get_submodule(k_proj).weight.shape)
+        engine = dscompile.init_inference(model, dtype=torch.float32, lower="eager", tensor_parallel={"tp_size": 2})
+        got = engine.generate(ids, attention_mask=mask, **args)
+        out[arch] = {
+            "same_tokens": torch.equal(got.sequences, expected.sequences),
+            "logit_err": float((torch.stack(got.logits) - torch.stack(expected.logits)).abs().max()),
+            "length": got.sequences.shape[1],
+            "weights": (full, tuple(model.get_submodule(k_proj).weight.shape)),
+            "blocks": len(engine.tensor_parallel.split_blocks),
+            "compiles": dict(engine.compile_counts),
+        }
+    return out
+
+
+@requires_backend("gloo")
+def test_tp2_encoder_decoder_generate_matches_hugging_face() -> None:
+    """T5 and BART on TP=2: the encoder graph (self-attention, MLP) and the decoder graph (self-attention, the
+    cross-attention whose query reads the decoder and keys/values the encoder, MLP) split, T5's relative position bias
+    cut to each rank's heads, one graph each for all 8 steps; the greedy tokens are Hugging Face's on the unsplit model
+    and each step's logits within 1e-5 (a bias cut to the other rank's heads gives the same tokens here, not the logits)."""
+    results = run_distributed_or_fail(seq2seq_both, 2, timeout=300)
+    for rank, result in enumerate(results):
+        for arch, r in result.items():
+            assert r["same_tokens"] and r["length"] == 9 and r["logit_err"] <= 1e-5, (rank, arch, r)
+            assert r["weights"] == ((32, 32), (16, 32)), r["weights"]  # the cross-attention's keys: half the heads
+            assert r["blocks"] == 5, r  # encoder: attention + MLP; decoder: self-attention, cross-attention, MLP
+            assert r["compiles"] == {"forward": 0, "prefill": 1, "decode": 1}, r["compiles"]  # the encoder, the decoder steps

@@ -200,3 +200,43 @@ def test_hugging_face_layouts_split_every_block(arch: str) -> None:
     ids = torch.randint(0, 64, (2, 8))
     blocks, whole = find_blocks(capture(model, (), {"input_ids": ids, "labels": ids}), 2)
     assert len(blocks) == 4 and not whole, whole
+
+
+def _encoder_decoder(arch: str, heads: int = 4) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "t5":
+        config = transformers.T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=heads, decoder_start_token_id=0)
+        model = transformers.T5ForConditionalGeneration(config)
+    else:
+        config = transformers.BartConfig(
+            vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+        )  # fmt: skip
+        model = transformers.BartForConditionalGeneration(config)
+    return model.eval(), {"input_ids": torch.randint(3, 40, (2, 6)), "decoder_input_ids": torch.randint(3, 40, (2, 3)), "use_cache": False}
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_encoder_decoder_blocks_split(arch: str) -> None:
+    """T5 and BART: every attention (the cross-attention too: its query reads the decoder, its keys and values the
+    encoder) and MLP block splits; T5's relative position bias (one row per head, SDPA's mask) is cut to the rank's
+    heads; BART's LM head plus ``final_logits_bias`` is no residual block (numerics on 2 ranks:
+    ``test_inference_tensor_parallel.py``, ``test_deepspeed_scripts_inference.py``)."""
+    model, inputs = _encoder_decoder(arch)
+    blocks, whole = find_blocks(capture(model, (), inputs), 2)
+    assert len(blocks) == 10 and not whole, whole  # encoder 2 x (attention, MLP), decoder 2 x (self, cross, MLP)
+    cross = [b for b in blocks if len({c.input for c in b.columns}) == 2]
+    assert len(cross) == 2 and all("EncDecAttention" in b.row.weight or "encoder_attn" in b.row.weight for b in cross)
+    narrowed = [b for b in blocks if b.narrowed]
+    assert len(narrowed) == (6 if arch == "t5" else 0), [b.row.weight for b in narrowed]  # every T5 attention reads the bias
+    assert all(op.target is torch.ops.aten.scaled_dot_product_attention.default and dim == 1 for b in narrowed for op, _, dim in b.narrowed)
+
+
+def test_position_bias_of_padded_heads_is_refused() -> None:
+    """3 heads on TP=2 would be padded: a whole per-head bias cannot be cut to a rank's padded heads, so those
+    attention blocks stay whole, with the reason."""
+    model, inputs = _encoder_decoder("t5", heads=3)
+    blocks, whole = find_blocks(capture(model, (), inputs), 2)
+    assert len(whole) == 6 and all("a whole tensor per head" in w["reason"] for w in whole), whole
+    assert len(blocks) == 4  # the MLPs

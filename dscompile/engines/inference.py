@@ -11,7 +11,9 @@ through the inference fusion passes instead of DeepSpeed's per-architecture kern
 (``FUSION_PASSES``: shared-input matmuls, rotary embedding, attention over the KV cache, epilogues); with ``quant`` the weights are stored packed
 (``dscompile.runtime.inference.weights``). Under ``tensor_parallel`` both compose: the fusion passes run on
 each rank's split graph, and the layers are packed at the first split, each rank its slices
-(``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call.
+(``passes/inference_tensor_parallel.py``), so ``quantized_layers`` fills on the first call. An encoder-decoder
+model (T5, BART) generates through Hugging Face's ``generate`` over the compiled forward, or under ``tensor_parallel``
+over split encoder and decoder graphs (``TensorParallelSeq2Seq``).
 
 The engine stands on the engine core (``dscompile.runtime.engine_core``), as the training engines do: its
 ``plan`` is the planner's (``plan_inference``: ``tp_size`` ranks of tensor parallelism, data parallelism over the
@@ -30,11 +32,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dscompile.errors import DSCompileConfigError, DSCompileNotSupportedError
+from dscompile.errors import DSCompileConfigError
 from dscompile.frontend import dscompile_backend
 from dscompile.passes.inference_tensor_parallel import (
     TensorParallelForward,
     TensorParallelGraphs,
+    TensorParallelSeq2Seq,
     TensorParallelStep,
     policy_from_linear_names,
     policy_linears,
@@ -139,6 +142,7 @@ class InferenceEngine(nn.Module, EngineCore):
             self._forward = torch.compile(model, backend=self._backend("forward"))
         self._generator: StaticCacheGenerator | None = None
         self._seq2seq_forward: Callable[..., Any] | None = None
+        self._seq2seq_split: TensorParallelSeq2Seq | None = None
         self.configure_extensions()
 
     def _compile_graph(self, gm: torch.fx.GraphModule, name: str) -> Callable[..., Any]:
@@ -164,6 +168,7 @@ class InferenceEngine(nn.Module, EngineCore):
         self._forward = _Destroyed()  # a module either way: the compiled forward is a child module of the engine
         self._generator = None
         self._seq2seq_forward = None
+        self._seq2seq_split = None
         self.tensor_parallel = None
 
     def model_bytes(self) -> int:
@@ -253,11 +258,10 @@ class InferenceEngine(nn.Module, EngineCore):
 
         The static-cache generator is built for decoder-only models; here the model's ``forward`` is swapped, for the
         call, for its compiled version (the engine's pipeline; it recompiles once for the growing cache, then runs with
-        dynamic shapes), so encoder and decoder steps run as dscompile's graphs and the tokens are Hugging Face's."""
+        dynamic shapes), so encoder and decoder steps run as dscompile's graphs and the tokens are Hugging Face's.
+        Under tensor parallelism: ``_generate_seq2seq_split``."""
         if self.tensor_parallel is not None:
-            raise DSCompileNotSupportedError(
-                "tensor_parallel.tp_size", "generate of an encoder-decoder model under tensor parallelism (decoder-only models only)"
-            )
+            return self._generate_seq2seq_split(input_ids, attention_mask, **kwargs)
         if self._seq2seq_forward is None:
             self._seq2seq_forward = torch.compile(self.module.forward, backend=self._backend("decode"))
         own = self.module.__dict__.get("forward")  # a forward set on the instance (e.g. accelerate's hooks) comes back
@@ -270,6 +274,31 @@ class InferenceEngine(nn.Module, EngineCore):
                 del self.module.forward  # the class's forward again
             else:
                 self.module.forward = own
+
+    def _generate_seq2seq_split(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
+        """``_generate_seq2seq`` under tensor parallelism: Hugging Face's ``generate`` without a KV cache, the encoder's
+        and the model's ``forward`` swapped for the split graphs (``TensorParallelSeq2Seq``): one encoder graph per
+        prompt shape, one decoder graph per generation length (the steps right-padded to it)."""
+        assert self.tensor_parallel is not None
+        if self._seq2seq_split is None:
+            self._seq2seq_split = TensorParallelSeq2Seq(self.tensor_parallel)
+        split = self._seq2seq_split
+        gen = getattr(self.module, "generation_config", None)
+        start = kwargs["decoder_input_ids"].shape[-1] if kwargs.get("decoder_input_ids") is not None else 1
+        longest = kwargs.get("max_length") or getattr(gen, "max_length", None) or 20
+        split.length = kwargs["max_new_tokens"] + start - 1 if kwargs.get("max_new_tokens") is not None else longest - 1
+        encoder = self.module.get_encoder()
+        owns = {m: m.__dict__.get("forward") for m in (self.module, encoder)}  # forwards set on the instances come back
+        self.module.forward, encoder.forward = split.forward, split.encoder
+        try:
+            with torch.no_grad(), collecting(self.comm_stats):
+                return self.module.generate(input_ids=input_ids, attention_mask=attention_mask, **{**kwargs, "use_cache": False})
+        finally:
+            for module, own in owns.items():
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own
 
 
 def init_inference(model: nn.Module, config: dict[str, Any] | None = None, **kwargs: Any) -> InferenceEngine:

@@ -56,6 +56,7 @@ class Block:
     replicated_states: set[str] = field(default_factory=set)  # then: the buffers written from the KV side (a KV cache)
     sections: dict[fx.Node, dict[fx.Node, tuple[int, int]]] = field(default_factory=dict)  # column -> its feature slices -> [start, end)
     summed: set[str] = field(default_factory=set)  # once rewritten: whole parameters it reads whose gradient is summed over TP
+    narrowed: list[tuple[fx.Node, fx.Node, int]] = field(default_factory=list)  # (op, whole input, dim): the input cut to this rank's part
 
 
 def _param_name(node: Any) -> str | None:
@@ -87,8 +88,9 @@ def _adds_to_residual(node: fx.Node) -> bool:
         if len(node.users) != 1:
             return False
         (user,) = node.users
-        if user.target in (aten.add.Tensor, operator.add):
-            return True
+        if user.target in (aten.add.Tensor, operator.add):  # a stream computed from the inputs, not a bias (BART's ``final_logits_bias``)
+            other = [a for a in user.args if isinstance(a, fx.Node) and a is not node]
+            return any(n.op == "placeholder" for a in other for n in ancestors(a))
         if user.target not in _PASSTHROUGH:
             return _adds_to_residual_after_norm(node)
         node = user
@@ -224,9 +226,6 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
         try:
             if not columns:
                 raise Unsplittable("no linear feeds it")
-            inputs = {c.input for c in columns}
-            if len(inputs) != 1:
-                raise Unsplittable("the linears feeding it read different inputs")
             region = sorted((n for n in walked if n not in linears and n.op == "call_function"), key=order.__getitem__)
             prop = Propagator(tp)
             try:
@@ -255,7 +254,11 @@ def find_blocks(gm: fx.GraphModule, tp: int) -> tuple[list[Block], list[dict[str
                 log.info("tensor_parallel: %s splits %d units (heads or hidden units) over TP=%d, padded with zeros to %d", row.weight, units, tp, padded)
                 if why:
                     log.info("tensor_parallel: %s: KV heads not replicated: %s", row.weight, why)
+            if prop.narrowed and (units % tp or prop.sections or any(n != 1 for n in prop.blocks.values())):
+                whole_name = prop.narrowed[0][1].name
+                raise Unsplittable(f"a whole tensor per head or unit ({whole_name}) read with {units} units TP={tp} does not divide, or by a fused projection")
             block = Block(columns, row, sliced_region, prop.sharded, prop.blocks, prop.rewrites, units, prop.states, sections=prop.sections)
+            block.narrowed = prop.narrowed
             if replicas > 1:
                 block.replicas, block.kv, block.repeats = replicas, kv, prop.repeats
                 block.replicated_states = {name for name, writer in prop.writers.items() if writer in kv}

@@ -18,6 +18,9 @@ from dscompile.passes.tensor_parallel.graph_facts import POINTWISE, REDUCTIONS, 
 aten = torch.ops.aten
 
 
+_NARROWABLE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor}  # ops whose whole operand may be cut to the slice
+
+
 class Unsplittable(Exception):
     """This block cannot run on a slice (the message says why)."""
 
@@ -67,6 +70,9 @@ class Propagator:
         self.conversions: dict[fx.Node, list[fx.Node]] = {}  # op turning KV heads into query heads -> its KV-side inputs
         self.repeats: dict[fx.Node, tuple[int, int]] = {}  # node -> (its repeat count's place: -1 the argument, else a size's; the count)
         self.sections: dict[fx.Node, dict[fx.Node, tuple[int, int]]] = {}  # column -> its slices along the features -> [start, end)
+        # (op, whole input, its dim): a whole tensor as long as the unsliced dimension (T5's relative position bias per head,
+        # added to the scores or passed as SDPA's mask), which the rewrite cuts to this rank's part
+        self.narrowed: list[tuple[fx.Node, fx.Node, int]] = []
 
     def seed(self, column: fx.Node) -> None:
         shape = node_shape(column)
@@ -197,7 +203,9 @@ class Propagator:
                 sa = node_shape(a)
                 if a not in self.sharded and sa is not None:
                     k = out - (len(out_shape) - len(sa))
-                    if k >= 0 and sa[k] != 1:
+                    if k >= 0 and sa[k] == out_shape[out] and sa[k] != 1 and node.target in _NARROWABLE:
+                        self.narrowed.append((node, a, k))
+                    elif k >= 0 and sa[k] != 1:
                         raise Unsplittable(f"{node.name} combines a sliced tensor with a whole one ({a.name}) along the sliced dimension")
             self.sharded[node] = out
         elif target in (aten.matmul.default, aten.bmm.default):
@@ -228,7 +236,9 @@ class Propagator:
             mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
             sm = node_shape(mask)
             if sm is not None and len(sm) == 4 and sm[1] != 1:
-                raise Unsplittable("an attention mask per head")
+                if isinstance(mask, fx.Node) and mask in self.sharded or sm[1] != node_shape(q)[1]:  # type: ignore[index]
+                    raise Unsplittable("an attention mask per head, sliced otherwise than the heads")
+                self.narrowed.append((node, mask, 1))  # type: ignore[arg-type]
             self.sharded[node] = 1
         else:
             raise Unsplittable(f"{node.name} ({target}) is not known to keep a slice of heads/hidden units whole")

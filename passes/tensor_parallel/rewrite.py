@@ -1,8 +1,9 @@
 """The graph rewrite of the blocks found: column/row-parallel linears, divided shapes, Megatron's f and g.
 
 Each block gets ``tp_copy`` before its column linears, a partial row linear + ``tp_reduce`` after, its shapes
-divided by TP, a 0/1 mask over padding when TP does not divide its units, and the gradient sums that whole values
-read by sliced ops (``tp_copy``) or replicated KV heads (``tp_sum_replicas``) need. Returns the parameter slices.
+divided by TP, a whole tensor per head read by the block cut to this rank's heads (``_narrow``), a 0/1 mask over
+padding when TP does not divide its units, and the gradient sums that whole values read by sliced ops (``tp_copy``)
+or replicated KV heads (``tp_sum_replicas``) need. Returns the parameter slices.
 """
 
 from __future__ import annotations
@@ -43,15 +44,18 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
                 return size // (tp // b.replicas) if node in b.kv else size // tp
             return size // b.units * held
 
-        x = b.columns[0].input
-        first = min((c.node for c in b.columns), key=order.__getitem__)
-        with graph.inserting_before(first):
-            copied = graph.call_function(tp_copy, (x, group))
-        copied.meta["val"] = x.meta.get("val")
-        copied.meta.setdefault("dscompile", {})["shard"] = "tp_copy"
-        for c in b.columns:
-            c.node.replace_input_with(x, copied)
+        for x in dict.fromkeys(c.input for c in b.columns):  # one input, or a cross-attention's two (query; keys and values)
+            first = min((c.node for c in b.columns if c.input is x), key=order.__getitem__)
+            with graph.inserting_before(first):
+                copied = graph.call_function(tp_copy, (x, group))
+            copied.meta["val"] = x.meta.get("val")
+            copied.meta.setdefault("dscompile", {})["shard"] = "tp_copy"
+            for c in b.columns:
+                if c.input is x:
+                    c.node.replace_input_with(x, copied)
         _sum_whole_gradients(graph, b, trainable, group)
+        for node, whole, dim in b.narrowed:
+            _narrow(graph, node, whole, dim, rank, tp)
         for c in b.columns:
             parts = b.blocks[c.node]
             units = b.units if padded else 0
@@ -108,6 +112,19 @@ def rewrite(gm: fx.GraphModule, blocks: list[Block], group: Any, tp: int, rank: 
     graph.lint()
     gm.recompile()
     return slices
+
+
+def _narrow(graph: fx.Graph, node: fx.Node, whole: fx.Node, dim: int, rank: int, tp: int) -> None:
+    """``node`` reads ``whole`` (or its ``tp_copy``) cut to this rank's part along ``dim``: a whole tensor per head or
+    unit (T5's relative position bias) combined with the block's sliced values."""
+    current = whole if whole in node.all_input_nodes else next(a for a in node.all_input_nodes if a.target is tp_copy and a.args[0] is whole)
+    val = whole.meta["val"]
+    size = int(val.shape[dim]) // tp
+    with graph.inserting_before(node):
+        cut = graph.call_function(aten.narrow.default, (current, dim, rank * size, size))
+    cut.meta["val"] = val.narrow(dim, 0, size)
+    cut.meta.setdefault("dscompile", {})["shard"] = "tp_narrow"
+    node.replace_input_with(current, cut)
 
 
 def _cut_sections(cuts: dict[fx.Node, tuple[int, int]], tp: int) -> tuple[int, ...]:
