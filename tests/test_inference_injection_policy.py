@@ -83,7 +83,8 @@ def test_policy_tuple_is_the_policy_with_its_layers_found_by_name() -> None:
     rows = {f"model.layers.{i}.{name}.weight" for i in range(2) for name in ("self_attn.o_proj", "mlp.down_proj")}
     check_injection_policy(model, policy_from_linear_names(model, ("o_proj", "down_proj")), rows, key="injection_policy_tuple")
     with pytest.raises(DSCompileConfigError, match=r"injection_policy_tuple.*at 'model.layers.0.self_attn'"):
-        check_injection_policy(model, policy_from_linear_names(model, ("o_proj",)), rows | {"model.layers.0.self_attn.k_proj.weight"}, key="injection_policy_tuple")
+        extra_row = rows | {"model.layers.0.self_attn.k_proj.weight"}
+        check_injection_policy(model, policy_from_linear_names(model, ("o_proj",)), extra_row, key="injection_policy_tuple")
 
 
 @pytest.mark.parametrize(
