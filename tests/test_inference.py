@@ -46,6 +46,9 @@ def tiny(arch: str, **overrides: object) -> torch.nn.Module:
     elif arch == "gpt_neox":  # partial rotary: half of each head's channels rotate
         config, cls = tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM
         kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, max_position_embeddings=128, rotary_pct=0.5, **common)
+    elif arch == "qwen2_moe":  # routed experts; its config keeps sliding_window=0 with every layer listed as full attention
+        config, cls = tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM
+        kwargs = dict(**attention, **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
     elif arch == "bert":
         config, cls = tf.BertConfig, tf.BertForMaskedLM
         kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64)
@@ -132,7 +135,7 @@ def test_gpt2_greedy_matches_hf_under_inductor() -> None:
     assert epilogue_counts(messages) == ["2 bias + activation and 4 residual + norm regions fused"] * 2, messages
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "opt", "qwen2_moe"])
 def test_greedy_matches_hf(arch: str) -> None:
     check_against_hf(arch, "eager", second_request=arch == "llama")
 
