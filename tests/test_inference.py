@@ -140,6 +140,26 @@ def test_greedy_matches_hf(arch: str) -> None:
     check_against_hf(arch, "eager", second_request=arch == "llama")
 
 
+def test_many_engines_in_one_process_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine's prefill and decode steps share their code objects, and each engine adds its own Dynamo entries
+    (the guards name its model). Past Dynamo's per-code limit (8; 2 here, so that the third engine reaches it) an
+    engine's steps ran uncompiled and its decode failed under the steady stance ("Recompilation triggered with
+    skip_guard_eval_unsafe"): each engine makes room for its own entries."""
+    from dscompile.runtime import dynamo_room
+
+    monkeypatch.setattr(dynamo_room, "_reserved", 0)
+    monkeypatch.setattr(dynamo_room, "_limits", None)  # make_room reads the limits below as Dynamo's own
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 2)
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        expected = tiny("gpt2").generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    for _ in range(4):
+        engine = dscompile.init_inference(tiny("gpt2"), dtype=torch.float32, max_out_tokens=32, lower="eager")
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
+        assert engine.compile_counts["prefill"] == 1 and engine.compile_counts["decode"] == 1, engine.compile_counts
+
+
 def test_bert_forward_logits() -> None:
     model = tiny("bert")
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
