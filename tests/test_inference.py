@@ -46,6 +46,9 @@ def tiny(arch: str, **overrides: object) -> torch.nn.Module:
     elif arch == "gpt_neox":  # partial rotary: half of each head's channels rotate
         config, cls = tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM
         kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, max_position_embeddings=128, rotary_pct=0.5, **common)
+    elif arch == "qwen2_moe":  # routed experts; its config keeps sliding_window=0 with every layer listed as full attention
+        config, cls = tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM
+        kwargs = dict(**attention, **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
     elif arch == "bert":
         config, cls = tf.BertConfig, tf.BertForMaskedLM
         kwargs = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64)
@@ -132,9 +135,29 @@ def test_gpt2_greedy_matches_hf_under_inductor() -> None:
     assert epilogue_counts(messages) == ["2 bias + activation and 4 residual + norm regions fused"] * 2, messages
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "opt", "qwen2_moe"])
 def test_greedy_matches_hf(arch: str) -> None:
     check_against_hf(arch, "eager", second_request=arch == "llama")
+
+
+def test_many_engines_in_one_process_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine's prefill and decode steps share their code objects, and each engine adds its own Dynamo entries
+    (the guards name its model). Past Dynamo's per-code limit (8; 2 here, so that the third engine reaches it) an
+    engine's steps ran uncompiled and its decode failed under the steady stance ("Recompilation triggered with
+    skip_guard_eval_unsafe"): each engine makes room for its own entries."""
+    from dscompile.runtime import dynamo_room
+
+    monkeypatch.setattr(dynamo_room, "_reserved", 0)
+    monkeypatch.setattr(dynamo_room, "_limits", None)  # make_room reads the limits below as Dynamo's own
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 2)
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        expected = tiny("gpt2").generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    for _ in range(4):
+        engine = dscompile.init_inference(tiny("gpt2"), dtype=torch.float32, max_out_tokens=32, lower="eager")
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
+        assert engine.compile_counts["prefill"] == 1 and engine.compile_counts["decode"] == 1, engine.compile_counts
 
 
 def test_bert_forward_logits() -> None:

@@ -44,12 +44,17 @@ from dscompile.passes.inference_tensor_parallel import (
 )
 from dscompile.planner import plan_inference
 from dscompile.runtime.comm_stats import collecting
+from dscompile.runtime.dynamo_room import make_room
 from dscompile.runtime.engine_core import INFERENCE, EngineCore, init_from_launcher, world_info
 from dscompile.runtime.inference.config import InferenceConfig, parse_inference_config
 from dscompile.runtime.inference.generation import GenerationOutput, SamplingConfig, StaticCacheGenerator
 from dscompile.runtime.inference.weights import model_bytes, quantize_model_weights
 
 log = logging.getLogger("dscompile.engines.inference")
+
+_ENTRIES_PER_ENGINE = 4
+"""Dynamo cache entries one engine may add to each code it compiles: the model's forward, and the prefill and decode
+steps, whose code every engine shares (another batch size or dtype adds one)."""
 
 FUSION_PASSES = ("fuse_shared_input_matmuls", "fuse_rotary_embedding", "fuse_cache_attention", "fuse_inference_epilogues")
 
@@ -128,6 +133,9 @@ class InferenceEngine(nn.Module, EngineCore):
             policy_linears(model, policy, policy_key)  # names the model's layers and linears, or an error naming the key
             log.info("init_inference: %s has no effect at tp_size 1 (it names the all-reduce linears of a split)", policy_key)
         self.module = model
+        # past Dynamo's per-code limit the ninth engine's steps would run uncompiled (its decode step then fails
+        # under steady_decode's stance): a process that serves or evaluates several models builds one each
+        make_room(_ENTRIES_PER_ENGINE)
         self.compile_counts = {"forward": 0, "prefill": 0, "decode": 0}
         self.options: dict[str, Any] = {"pipeline": inference_pipeline(config)}
         if config.dump:

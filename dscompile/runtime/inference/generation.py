@@ -168,8 +168,11 @@ class StaticCacheGenerator:
         ``max_out_tokens`` long never slides in a cache that size, so full-attention layers are exact."""
         config = self.model.config
         window = getattr(config, "sliding_window", None)
-        layer_types = getattr(config, "layer_types", None) or ()
-        if window is None and "sliding_attention" not in layer_types:
+        layer_types = getattr(config, "layer_types", None)
+        # as transformers' caches read it: listed layer types decide alone (Qwen2-MoE keeps ``sliding_window=0`` with
+        # every layer full); without them a set ``sliding_window`` makes every layer slide
+        slides = "sliding_attention" in layer_types if layer_types is not None else window is not None
+        if not slides:
             return config
         if window is not None and window < self.max_out_tokens:
             raise DSCompileConfigError(
