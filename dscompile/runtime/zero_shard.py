@@ -34,6 +34,7 @@ from dscompile.runtime import zero_ops
 from dscompile.runtime.devices import collective_device
 from dscompile.runtime.zero_leaf import leaf_of_parameters
 from dscompile.runtime.zero_ops import GLOO_BROADCASTS_ABOVE, broadcast_gather_async, moves_like_gloo
+from dscompile.runtime.zero_recompute import bind_recompute_to_forward_tensors
 
 log = logging.getLogger("dscompile.zero")
 
@@ -690,6 +691,8 @@ def run_agreeing(compiled: Callable[..., Any], zero_module: ZeroModule | None, a
 
     Every rank sees the same fingerprints, so every rank switches at the same call.
     """
+    if zero_module is not None:
+        bind_recompute_to_forward_tensors(zero_module.module)  # checkpointed layers recompute on ZeRO's tensors
     try:
         return compiled(*args, **kwargs)
     except ZeroScheduleDivergence as exc:
