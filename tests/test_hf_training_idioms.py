@@ -9,7 +9,8 @@
   forward: Dynamo keeps the embedding hook's ``requires_grad_`` call without a value; the frontend gives it its
   ``self``'s.
 - Tensor parallelism (AutoTP, 2 gloo ranks) with the model's ``DynamicCache`` requested (``use_cache=True``) and in
-  eval mode (the config's default): runs, losses equal one process, ``past_key_values`` is ``None`` (logged).
+  eval mode (the config's default): runs, losses equal one process, ``past_key_values`` is ``None`` (logged); and a
+  T5 (cross-attention, the per-head position bias) trains as one process.
 - LoRA-style training (DeepSpeed-Chat's ``only_optimize_lora``: linears become LoRA linears over frozen weights)
   under ZeRO-2 and ZeRO-3 on 2 gloo ranks: losses and trained adapters equal one process, frozen weights unchanged.
 """
@@ -276,14 +277,59 @@ def _autotp_with_cache(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _autotp_t5() -> dict[str, Any]:
+    """A T5 under AutoTP: self-attention, cross-attention (its K/V read the encoder's output) and the per-head position
+    bias split with the heads; the same SGD steps as one process."""
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config)
+    reference = copy.deepcopy(model)
+    engine, *_ = dscompile.initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "tensor_parallel": {"autotp_size": 2}})
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses, expected = [], []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        ids, labels = torch.randint(1, VOCAB, (2, 7), generator=g), torch.randint(1, VOCAB, (2, 5), generator=g)
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        ref = reference(input_ids=ids, labels=labels).loss
+        ref.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        expected.append(float(ref))
+    full = engine.full_parameters()
+    plan = engine.extension("tensor_parallel").plan
+    return {
+        "losses": losses,
+        "expected": expected,
+        "param_err": max(float((full[n] - p.detach()).abs().max()) for n, p in reference.named_parameters()),
+        "split": len(plan.split),
+        "replicated": plan.replicated,
+    }
+
+
+def _autotp_runs(rank: int, world: int) -> dict[str, Any]:
+    return {"llama_cache": _autotp_with_cache(rank, world), "t5": _autotp_t5()}  # one spawn for both
+
+
 @pytest.mark.distributed
 @requires_backend("gloo")
-def test_autotp_training_with_the_models_cache_equals_one_process() -> None:
-    for r in run_distributed_or_fail(_autotp_with_cache, 2, timeout=600):
+def test_autotp_training_with_the_models_cache_and_t5_equal_one_process() -> None:
+    for runs in run_distributed_or_fail(_autotp_runs, 2, timeout=600):
+        r = runs["llama_cache"]
         assert r["losses"] == pytest.approx(r["expected"], rel=1e-5)
         assert r["eval"] == pytest.approx(r["expected_eval"], rel=1e-5)
         assert r["caches"] == [None, None] and r["eval_cache"] is None
         assert r["split"] == 2  # the layer's attention and MLP blocks still split
+        t5 = runs["t5"]
+        assert t5["split"] == 5 and not t5["replicated"], t5  # encoder: attention, MLP; decoder: self-, cross-attention, MLP
+        assert len(set(t5["expected"])) == STEPS and t5["losses"] == pytest.approx(t5["expected"], rel=1e-5, abs=1e-6), t5
+        assert t5["param_err"] < 1e-5, t5
 
 
 # ---------------------------------------------------------------------------------------------
