@@ -293,6 +293,19 @@ def _gathers_issued_ahead(code: str) -> int:
     return ahead
 
 
+def _mean_losses(engine: Any, batch: Any, rank: int, world: int, steps: int = 3) -> list[float]:
+    """Train ``steps`` steps on this rank's batches; each step's loss averaged over the ranks (the global batch's)."""
+    losses = []
+    for step in range(steps):
+        loss = engine(*batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
 # ---------------------------------------------------------------------------------------------
 # ZeRO-3 leaf modules: a tiny Mixture of Experts.
 # ---------------------------------------------------------------------------------------------
@@ -371,15 +384,7 @@ def moe_rank(rank: int, world: int, dump_root: str) -> dict[str, Any]:
         engine, _, _, _ = dscompile.initialize(model=net, config=_moe_config(f"{dump_root}/{name}_rank{rank}", by_config))
         out[f"{name}_flagged"] = [type(m).__name__ for m in get_z3_leaf_modules(net)]
         out[f"{name}_leaf_params"] = sorted(n for n, p in net.named_parameters() if z3_leaf_parameter(p))
-        losses = []
-        for step in range(3):
-            loss = engine(*_moe_batch(step, rank))
-            engine.backward(loss)
-            engine.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(float(total) / world)
-        out[f"{name}_losses"] = losses
+        out[f"{name}_losses"] = _mean_losses(engine, _moe_batch, rank, world)
         out[f"{name}_params"] = engine.full_parameters()
         if not by_config:
             assert unset_z3_leaf_modules(net, ["TinyMoE"]) and not get_z3_leaf_modules(net)
@@ -520,15 +525,7 @@ def odd_sizes_rank(rank: int, world: int) -> dict[int, Any]:
         torch.manual_seed(0)
         engine, _, _, _ = dscompile.initialize(model=OddNet(), config=_config(stage, 1, 0.0, ODD_BUCKETS))
         assert all(layout.shard_numel * world > layout.numel for layout in engine.zero.layouts)
-        losses = []
-        for step in range(3):
-            loss = engine(*_odd_batch(step, rank))
-            engine.backward(loss)
-            engine.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(float(total) / world)
-        out[stage] = {"losses": losses, "params": engine.full_parameters()}
+        out[stage] = {"losses": _mean_losses(engine, _odd_batch, rank, world), "params": engine.full_parameters()}
         torch._dynamo.reset()
     return out
 
