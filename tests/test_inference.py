@@ -149,15 +149,16 @@ def test_many_engines_in_one_process_generate(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(dynamo_room, "_reserved", 0)
     monkeypatch.setattr(dynamo_room, "_limits", None)  # make_room reads the limits below as Dynamo's own
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 2)
     ids, mask = left_padded_batch()
     with torch.no_grad():
         expected = tiny("gpt2").generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    for _ in range(4):
-        engine = dscompile.init_inference(tiny("gpt2"), dtype=torch.float32, max_out_tokens=32, lower="eager")
-        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
-        assert engine.compile_counts["prefill"] == 1 and engine.compile_counts["decode"] == 1, engine.compile_counts
+    # Dynamo's own patch, not monkeypatch: pytest >= 9.2 restores a ConfigModule entry by deleting it, which
+    # hides the setting from every later test in the worker ("recompile_limit does not exist")
+    with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=2):
+        for _ in range(4):
+            engine = dscompile.init_inference(tiny("gpt2"), dtype=torch.float32, max_out_tokens=32, lower="eager")
+            assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
+            assert engine.compile_counts["prefill"] == 1 and engine.compile_counts["decode"] == 1, engine.compile_counts
 
 
 def test_bert_forward_logits() -> None:
