@@ -25,7 +25,6 @@ _BOUND = "_dscompile_recomputes_on_forward_tensors"
 log = logging.getLogger("dscompile.runtime.zero_recompute")
 
 
-@torch.compiler.disable(recursive=False)  # runs as Python (the layer's code inside still compiles): ``used`` holds real tensors
 def _checkpoint_on_forward_tensors(checkpoint: Callable[..., Any], layer: nn.Module, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     used = {**dict(layer.named_parameters(remove_duplicate=False)), **dict(layer.named_buffers(remove_duplicate=False))}
 
@@ -34,6 +33,13 @@ def _checkpoint_on_forward_tensors(checkpoint: Callable[..., Any], layer: nn.Mod
             return function(*inner_args, **inner_kwargs)
 
     return _non_reentrant(checkpoint)(on_forward_tensors, *args, **kwargs)
+
+
+@functools.cache
+def _runs_as_python() -> Callable[..., Any]:
+    """The wrapper runs as Python (the layer's code inside still compiles), so ``used`` holds real tensors. Applied at
+    the first bind: ``torch.compiler.disable`` imports Dynamo, which ``import dscompile`` does not."""
+    return torch.compiler.disable(_checkpoint_on_forward_tensors, recursive=False)
 
 
 def _non_reentrant(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,7 +64,7 @@ def bind_recompute_to_forward_tensors(model: nn.Module) -> int:
         checkpoint = layer.__dict__.get(CHECKPOINT_FUNCTION)
         if checkpoint is None or getattr(checkpoint, _BOUND, False):
             continue
-        bound = functools.partial(_checkpoint_on_forward_tensors, checkpoint, layer)
+        bound = functools.partial(_runs_as_python(), checkpoint, layer)
         setattr(bound, _BOUND, True)
         setattr(layer, CHECKPOINT_FUNCTION, bound)
         wrapped += 1
