@@ -200,7 +200,10 @@ BERT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BERT_CASES))
+EXTENDED_BERT_CASES = {"row_pruning", "xtc_layer_reduction_w1a8"}  # left out of the default run (docs/setup.md)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_BERT_CASES else c for c in sorted(BERT_CASES)])
 def test_bert_example_matches_deepspeed_0195(case: str, tmp_path: Path) -> None:
     """Per-step losses within 2e-3; the evaluation before and after the clean; after head pruning the
     head counts the example sets itself (DeepSpeed's redundancy_clean leaves them: a clean that shrank them

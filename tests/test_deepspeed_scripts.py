@@ -329,13 +329,13 @@ RTOL = 1e-4  # the compiled model (Inductor) against eager PyTorch, three AdamW 
 
 
 # -- the scripts, ported by the import -----------------------------------------------------------
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.extended), pytest.param(1, marks=pytest.mark.extended), 2, 3])
 def test_image_classification_zero_stages(run, stage):
     result = run("cifar.py", cifar_config(stage))
     assert_losses(result["losses"], cifar_reference(1.0), RTOL, f"ZeRO-{stage}")
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.extended), 3])
 def test_image_classification_bf16_with_engine_accessors(run, stage):
     """The tutorial's idiom: placement and precision from the engine's accessors, bf16 inputs into
     the engine (DeepSpeed's 16-bit convention), bf16 outputs upcast for the loss."""
@@ -432,9 +432,11 @@ def compare_with_deepspeed(run: Runs, case: str) -> None:
 # The language-model cases run in test_deepspeed_scripts_lm.py (beside the runs they reuse), so that pytest-xdist
 # hands the two files to different workers.
 LM_CASES = {"checkpointing", "masked_lm", "masked_lm_bf16", "bf16_masters_zero2", "bf16_masters_zero3_autocast"}
+# cases the default run leaves out (pytest -m extended): ZeRO-2/3 and ZeRO-3 with bf16 masters stay in
+EXTENDED_CASES = {"cifar_zero0", "bf16_masters_zero2"}
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
-@pytest.mark.parametrize("case", sorted(set(DEEPSPEED_CASES) - LM_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c for c in sorted(set(DEEPSPEED_CASES) - LM_CASES)])
 def test_same_losses_as_deepspeed(run, case):
     compare_with_deepspeed(run, case)

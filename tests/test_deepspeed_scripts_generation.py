@@ -58,7 +58,7 @@ def generation_reference(model_dir: Path, max_new_tokens: int = 10) -> list[str]
     return tokenizer.batch_decode(model.generate(**tokens, max_new_tokens=max_new_tokens, do_sample=False), skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.extended), "llama"])
 def test_text_generation_with_mp_size_under_torchrun(run, causal_lms, name):
     """inference-test.py's idiom: init_inference(mp_size=world_size) under torchrun (the engine sets up the
     process group), engine.generate(**tokens): the texts equal Hugging Face's greedy generate, and
@@ -69,7 +69,7 @@ def test_text_generation_with_mp_size_under_torchrun(run, causal_lms, name):
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.extended)])
 def test_same_text_as_deepspeed(run, causal_lms, name):
     """The same greedy texts as DeepSpeed's engine, each rank a whole model (mp_size 1): on CPU DeepSpeed's AutoTP
     all-reduce (its shm kernel) crashes at mp_size 2, and it refuses AutoTP for GPT-2; mp_size 2 is compared with

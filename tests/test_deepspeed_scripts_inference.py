@@ -115,7 +115,10 @@ def assert_same_predictions(got: list[dict[str, Any]], expected: list[dict[str, 
     torch.testing.assert_close(torch.tensor([p["score"] for p in got]), torch.tensor([p["score"] for p in expected]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name, policy", [("bert", None), ("roberta", "roberta"), ("electra", "electra")])
+@pytest.mark.parametrize(
+    "name, policy",
+    [pytest.param("bert", None, marks=pytest.mark.extended), ("roberta", "roberta"), pytest.param("electra", "electra", marks=pytest.mark.extended)],
+)
 def test_fill_mask_with_mp_size_2(models, workdir, name, policy):
     """test-bert.py / test-roberta.py / test-electra.py on 2 ranks (mp_size = world size: the model split in two,
     RoBERTa's and ELECTRA's ``injection_policy`` checked against the split): Hugging Face's pipeline reads the
@@ -139,8 +142,11 @@ def t5_reference(model_dir: Path, text: str) -> list[list[int]]:
     return model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=8, do_sample=False).tolist()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("name, task", [("t5", "text2text"), ("t5-base", "translation")])
+@pytest.mark.parametrize(
+    "name, task, world",
+    [("t5", "text2text", 1), ("t5-base", "translation", 2)]
+    + [pytest.param(*case, marks=pytest.mark.extended) for case in [("t5", "text2text", 2), ("t5-base", "translation", 1)]],
+)
 def test_t5_generate(models, workdir, name, task, world):
     """test-t5.py / test-t5-base.py on one rank: engine.generate of an encoder-decoder model (Hugging Face's loop
     over the compiled forward) gives Hugging Face's greedy tokens, and DeepSpeed's where installed. On two

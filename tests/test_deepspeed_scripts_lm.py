@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from test_deepspeed_scripts import (
     CHECKPOINTING_CONFIG,
+    EXTENDED_CASES,
     HAVE_DEEPSPEED,
     LM_CASES,
     MASKED_LM_BF16_CONFIG,
@@ -57,7 +58,7 @@ def test_masked_lm_bf16_with_the_optimizer_on_the_host(run):
     assert result["state_dtype"] == "torch.bfloat16" and result["reload_equal"]
 
 
-@pytest.mark.parametrize("stage,autocast", [(2, False), (3, True)])
+@pytest.mark.parametrize("stage,autocast", [pytest.param(2, False, marks=pytest.mark.extended), (3, True)])
 def test_bf16_master_weights_and_grads(run, stage, autocast):
     """bf16 masters, gradients and Adam moments (ZeRO-2; ZeRO-3 with the example's torch_autocast): the run
     follows a plain PyTorch bf16 model with AdamW over its bf16 parameters."""
@@ -69,6 +70,6 @@ def test_bf16_master_weights_and_grads(run, stage, autocast):
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
-@pytest.mark.parametrize("case", sorted(LM_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c for c in sorted(LM_CASES)])
 def test_same_losses_as_deepspeed(run, case):
     compare_with_deepspeed(run, case)

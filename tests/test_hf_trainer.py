@@ -192,6 +192,7 @@ def test_zero3_resumes_from_a_trainer_checkpoint(run: Runs) -> None:
     assert_same_weights(resumed, whole, atol=1e-6)
 
 
+@pytest.mark.extended
 def test_zero3_bf16_trains_like_the_plain_trainer_in_bf16(run: Runs) -> None:
     """``bf16.enabled: auto`` filled from ``--bf16``: the losses follow the plain Trainer's bf16 autocast run, and the
     weights moved as far and in the same direction (an optimizer that does nothing fails here)."""
@@ -208,6 +209,7 @@ def test_zero3_bf16_trains_like_the_plain_trainer_in_bf16(run: Runs) -> None:
     assert cosine > 0.95 and 0.8 < ratio < 1.25, f"bf16 update: cosine {cosine:.3f} with the reference's, norm ratio {ratio:.3f}"
 
 
+@pytest.mark.extended
 def test_autotp_matches_the_plain_trainer(run: Runs) -> None:
     """``tensor_parallel.autotp_size: 2`` (DeepSpeedExamples' ``training/tensor_parallel/hf_integration``) on two
     ranks, ZeRO-2, a Llama: both ranks of the TP group read the same batches (the Trainer's data-parallel degree is

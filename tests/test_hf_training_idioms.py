@@ -313,20 +313,25 @@ def _autotp_t5() -> dict[str, Any]:
     }
 
 
-def _autotp_runs(rank: int, world: int) -> dict[str, Any]:
-    return {"llama_cache": _autotp_with_cache(rank, world), "t5": _autotp_t5()}  # one spawn for both
+def _autotp_t5_run(rank: int, world: int) -> dict[str, Any]:
+    return _autotp_t5()
 
 
 @pytest.mark.distributed
 @requires_backend("gloo")
-def test_autotp_training_with_the_models_cache_and_t5_equal_one_process() -> None:
-    for runs in run_distributed_or_fail(_autotp_runs, 2, timeout=600):
-        r = runs["llama_cache"]
+def test_autotp_training_with_the_models_cache_equals_one_process() -> None:
+    for r in run_distributed_or_fail(_autotp_with_cache, 2, timeout=600):
         assert r["losses"] == pytest.approx(r["expected"], rel=1e-5)
         assert r["eval"] == pytest.approx(r["expected_eval"], rel=1e-5)
         assert r["caches"] == [None, None] and r["eval_cache"] is None
         assert r["split"] == 2  # the layer's attention and MLP blocks still split
-        t5 = runs["t5"]
+
+
+@pytest.mark.extended  # 160 s on 2 cores; T5's split is also checked by test_tensor_parallel_plan.py and inference TP's T5 tests
+@pytest.mark.distributed
+@requires_backend("gloo")
+def test_autotp_training_of_t5_equals_one_process() -> None:
+    for t5 in run_distributed_or_fail(_autotp_t5_run, 2, timeout=600):
         assert t5["split"] == 5 and not t5["replicated"], t5  # encoder: attention, MLP; decoder: self-, cross-attention, MLP
         assert len(set(t5["expected"])) == STEPS and t5["losses"] == pytest.approx(t5["expected"], rel=1e-5, abs=1e-6), t5
         assert t5["param_err"] < 1e-5, t5
