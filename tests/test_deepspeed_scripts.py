@@ -436,7 +436,12 @@ LM_CASES = {"checkpointing", "masked_lm", "masked_lm_bf16", "bf16_masters_zero2"
 EXTENDED_CASES = {"cifar_zero0", "bf16_masters_zero2"}
 
 
+def deepspeed_cases(names: set[str]) -> list[Any]:
+    """``names`` sorted, for parametrize, those in ``EXTENDED_CASES`` marked ``extended``."""
+    return [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c for c in sorted(names)]
+
+
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c for c in sorted(set(DEEPSPEED_CASES) - LM_CASES)])
+@pytest.mark.parametrize("case", deepspeed_cases(set(DEEPSPEED_CASES) - LM_CASES))
 def test_same_losses_as_deepspeed(run, case):
     compare_with_deepspeed(run, case)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 from test_deepspeed_scripts import (
     CHECKPOINTING_CONFIG,
-    EXTENDED_CASES,
     HAVE_DEEPSPEED,
     LM_CASES,
     MASKED_LM_BF16_CONFIG,
@@ -22,6 +21,7 @@ from test_deepspeed_scripts import (
     bf16_masters_config,
     bf16_masters_reference,
     compare_with_deepspeed,
+    deepspeed_cases,
     masked_lm_reference,
     tower_reference,
 )
@@ -70,6 +70,6 @@ def test_bf16_master_weights_and_grads(run, stage, autocast):
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c for c in sorted(LM_CASES)])
+@pytest.mark.parametrize("case", deepspeed_cases(LM_CASES))
 def test_same_losses_as_deepspeed(run, case):
     compare_with_deepspeed(run, case)

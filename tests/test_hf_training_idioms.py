@@ -277,7 +277,7 @@ def _autotp_with_cache(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def _autotp_t5() -> dict[str, Any]:
+def _autotp_t5(rank: int, world: int) -> dict[str, Any]:
     """A T5 under AutoTP: self-attention, cross-attention (its K/V read the encoder's output) and the per-head position
     bias split with the heads; the same SGD steps as one process."""
     config = transformers.T5Config(
@@ -313,10 +313,6 @@ def _autotp_t5() -> dict[str, Any]:
     }
 
 
-def _autotp_t5_run(rank: int, world: int) -> dict[str, Any]:
-    return _autotp_t5()
-
-
 @pytest.mark.distributed
 @requires_backend("gloo")
 def test_autotp_training_with_the_models_cache_equals_one_process() -> None:
@@ -327,11 +323,13 @@ def test_autotp_training_with_the_models_cache_equals_one_process() -> None:
         assert r["split"] == 2  # the layer's attention and MLP blocks still split
 
 
-@pytest.mark.extended  # 160 s on 2 cores; T5's split is also checked by test_tensor_parallel_plan.py and inference TP's T5 tests
+# its own spawn: 22 s on 2 cores with Inductor's cache warm, 160 s cold; T5's split is also checked by
+# test_tensor_parallel_plan.py and inference TP's T5 tests
+@pytest.mark.extended
 @pytest.mark.distributed
 @requires_backend("gloo")
 def test_autotp_training_of_t5_equals_one_process() -> None:
-    for t5 in run_distributed_or_fail(_autotp_t5_run, 2, timeout=600):
+    for t5 in run_distributed_or_fail(_autotp_t5, 2, timeout=600):
         assert t5["split"] == 5 and not t5["replicated"], t5  # encoder: attention, MLP; decoder: self-, cross-attention, MLP
         assert len(set(t5["expected"])) == STEPS and t5["losses"] == pytest.approx(t5["expected"], rel=1e-5, abs=1e-6), t5
         assert t5["param_err"] < 1e-5, t5
